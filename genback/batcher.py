@@ -1,0 +1,265 @@
+"""Auto-batching of concurrent queries into one computation on a worker thread.
+
+Callers on any event loop ``await batcher.submit(key, query, cost)``. Queries join a pending
+batch; the batch is dispatched when
+
+* the *window* (seconds, measured from the first pending query and never reset by later ones)
+  has expired, or
+* the batch is full: ``max_batch_size`` queries or ``max_batch_tokens`` of cost,
+
+and, in both cases, only once the previous batch of that loop has finished: while the worker
+computes, new queries keep joining the next batch (so batches grow under load instead of queueing).
+
+The computation runs on one worker thread, so the event loop keeps serving while the model runs.
+Queries with an identical ``key`` in one pending batch are computed once and every caller gets the
+result. A computation that raises fails exactly the callers of its batch. A caller cancelled before
+its batch is dispatched is dropped and not computed. Each event loop that uses the batcher gets its
+own pending batch, so one object serves ``asyncio.run`` after ``asyncio.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Hashable, Sequence
+
+
+class BatcherClosed(RuntimeError):
+    """Raised to callers of a batcher that was closed or reset."""
+
+
+class _Entry:
+    __slots__ = ("key", "query", "cost", "futures")
+
+    def __init__(self, key, query, cost, future):
+        self.key = key
+        self.query = query
+        self.cost = cost
+        self.futures = [future]
+
+    def live(self) -> bool:
+        return any(not f.done() for f in self.futures)
+
+
+class _LoopState:
+    """Pending batch and dispatch state of one event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: dict[Hashable, _Entry] = {}
+        self.pending_cost = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.window_expired = False
+        self.busy = False
+
+
+class Batcher:
+    """Batch concurrent queries and compute them on a worker thread.
+
+    Args:
+        compute: ``compute(queries) -> results``, called on the worker thread with a list of the
+            distinct queries of one batch; returns one result per query, in order.
+        window: seconds to wait, from the first pending query, for more queries (>= 0).
+        max_batch_size: most distinct queries per batch (>= 1).
+        max_batch_tokens: most total ``cost`` per batch (>= 1); a single query costing more is
+            still computed, alone.
+        name: name of the worker thread.
+
+    Raises:
+        ValueError: a non-positive ``max_batch_size`` / ``max_batch_tokens`` or negative ``window``.
+    """
+
+    def __init__(
+        self,
+        compute: Callable[[list[Any]], Sequence[Any]],
+        *,
+        window: float,
+        max_batch_size: int,
+        max_batch_tokens: int,
+        name: str = "genback-batcher",
+    ):
+        if not isinstance(window, (int, float)) or window < 0:
+            raise ValueError(f"batch window must be a number >= 0 seconds, got {window!r}")
+        for arg, value in (("max_batch_size", max_batch_size), ("max_batch_tokens", max_batch_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        self._compute = compute
+        self.window = float(window)
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._states: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState]" = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+        self._closed = False
+        self.batches = 0  # dispatched batches
+        self.queries = 0  # distinct queries computed
+
+    # -- public ---------------------------------------------------------------------------------
+
+    async def submit(self, key: Hashable, query: Any, cost: int = 1) -> Any:
+        """Queue ``query`` and wait for its result.
+
+        Raises:
+            BatcherClosed: the batcher was closed, or reset while the query was pending.
+            Exception: whatever ``compute`` raised for this query's batch.
+        """
+        if self._closed:
+            raise BatcherClosed("the model was closed (aclose); no more queries are served")
+        loop = asyncio.get_running_loop()
+        state = self._state(loop)
+        future = loop.create_future()
+        entry = state.pending.get(key)
+        if entry is not None and entry.live():
+            entry.futures.append(future)
+        else:
+            if entry is None and not state.pending:
+                state.window_expired = self.window == 0
+                if not state.window_expired:
+                    state.timer = loop.call_later(self.window, self._on_window, state)
+            if entry is not None:  # every caller of that entry was cancelled: replace it
+                state.pending_cost -= entry.cost
+            state.pending[key] = _Entry(key, query, cost, future)
+            state.pending_cost += cost
+        self._maybe_dispatch(state)
+        return await future
+
+    def reset(self, exc: BaseException | None = None) -> int:
+        """Fail every pending (not yet dispatched) query with ``exc``; return how many callers.
+
+        Batches already on the worker finish normally. Safe to call from any thread.
+        """
+        exc = exc or BatcherClosed("pending queries were reset (reset_async_queries)")
+        failed = 0
+        for state in list(self._states.values()):
+            entries = list(state.pending.values())
+            state.pending.clear()
+            state.pending_cost = 0
+            if state.timer is not None:
+                state.timer.cancel()
+                state.timer = None
+            futures = [f for e in entries for f in e.futures]
+            failed += sum(not f.done() for f in futures)
+            _fail_threadsafe(state.loop, futures, exc)
+        return failed
+
+    def close(self) -> None:
+        """Fail pending queries and stop the worker (waits for the running batch). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reset(BatcherClosed("the model was closed (aclose) while this query was pending"))
+        self._executor.shutdown(wait=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+        with self._lock:
+            state = self._states.get(loop)
+            if state is None:
+                state = self._states[loop] = _LoopState(loop)
+            return state
+
+    def _on_window(self, state: _LoopState) -> None:
+        state.timer = None
+        state.window_expired = True
+        self._maybe_dispatch(state)
+
+    def _full(self, state: _LoopState) -> bool:
+        return (
+            len(state.pending) >= self.max_batch_size
+            or state.pending_cost >= self.max_batch_tokens
+        )
+
+    def _maybe_dispatch(self, state: _LoopState) -> None:
+        if state.busy or not state.pending:
+            return
+        if not (state.window_expired or self._full(state)):
+            return
+        batch = self._take_batch(state)
+        if not batch:
+            return
+        state.busy = True
+        self.batches += 1
+        self.queries += len(batch)
+        queries = [e.query for e in batch]
+        try:
+            work = state.loop.run_in_executor(self._executor, self._compute, queries)
+        except RuntimeError as exc:  # executor shut down
+            state.busy = False
+            _fail(batch, BatcherClosed(str(exc)))
+            return
+        work.add_done_callback(lambda w: self._finish(state, batch, w))
+
+    def _take_batch(self, state: _LoopState) -> list[_Entry]:
+        batch: list[_Entry] = []
+        cost = 0
+        for key in list(state.pending):
+            entry = state.pending[key]
+            if not entry.live():  # all of its callers were cancelled: drop it, never compute it
+                del state.pending[key]
+                state.pending_cost -= entry.cost
+                continue
+            if batch and (
+                len(batch) >= self.max_batch_size or cost + entry.cost > self.max_batch_tokens
+            ):
+                break
+            del state.pending[key]
+            state.pending_cost -= entry.cost
+            batch.append(entry)
+            cost += entry.cost
+        if not state.pending:
+            if state.timer is not None:
+                state.timer.cancel()
+                state.timer = None
+            state.window_expired = False
+        # else: the rest has waited at least as long as this batch; it goes as soon as it can
+        return batch
+
+    def _finish(self, state: _LoopState, batch: list[_Entry], work: asyncio.Future) -> None:
+        state.busy = False
+        exc = work.exception() if not work.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            _fail(batch, exc)
+        else:
+            results = work.result()
+            if len(results) != len(batch):
+                _fail(batch, RuntimeError(
+                    f"batch computation returned {len(results)} results for {len(batch)} queries"
+                ))
+            else:
+                for entry, result in zip(batch, results):
+                    for f in entry.futures:
+                        if not f.done():
+                            f.set_result(result)
+        self._maybe_dispatch(state)
+
+
+def _fail(entries: list[_Entry], exc: BaseException) -> None:
+    for entry in entries:
+        for f in entry.futures:
+            if not f.done():
+                f.set_exception(exc)
+
+
+def _fail_threadsafe(loop: asyncio.AbstractEventLoop, futures: list, exc: BaseException) -> None:
+    def fail():
+        for f in futures:
+            if not f.done():
+                f.set_exception(exc)
+
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fail()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fail)

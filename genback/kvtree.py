@@ -1,0 +1,220 @@
+"""KV-cache prefix tree: a radix tree over token ids whose nodes hold key/value states.
+
+Every evaluated context leaves its KV in the tree, so a later query that shares a prefix with it
+only forwards the tokens after the longest cached prefix (extending a particle by one token costs
+one token of forward). This is the radix-tree prefix sharing of SGLang's RadixAttention
+(Zheng et al., 2024, "SGLang: Efficient Execution of Structured Language Model Programs"), kept
+on the Python side over Hugging Face KV tensors.
+
+Layout. A node's edge is a run of tokens; its ``kv`` holds the states of exactly those tokens as
+one tensor of shape ``[n_layers, 2, n_kv_heads, len(edge), head_dim]`` (index 0 keys, 1 values),
+on the model's device and dtype. The states of a context are the concatenation of the ``kv`` of
+the nodes on its path, so a batch's past is one ``torch.cat``.
+
+Invariants. Stored tensors are never written after insertion (forwards read copies). Node
+``bytes`` sum to ``bytes_held``. The LRU order keeps every parent more recent than its
+descendants, so one scan from the oldest end meets leaves before their parents. Only leaves that
+are neither pinned (``pin``) nor referenced by a running forward (``acquire``) are evicted.
+
+Not thread-safe: the owner serialises access with a lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch
+
+
+class _Node:
+    __slots__ = ("parent", "edge", "kv", "children", "refs", "pinned", "depth", "bytes")
+
+    def __init__(self, parent, edge: tuple, kv, depth: int):
+        self.parent = parent
+        self.edge = edge
+        self.kv = kv
+        self.children: dict[int, _Node] = {}
+        self.refs = 0
+        self.pinned = False
+        self.depth = depth  # tokens from the root to the end of this node's edge
+        self.bytes = 0 if kv is None else kv.numel() * kv.element_size()
+
+
+class KVTree:
+    """Radix tree of cached KV states with a byte budget and LRU eviction.
+
+    Args:
+        budget_bytes: most bytes of KV to hold (> 0). Exceeding it after an insertion evicts
+            least-recently-used unreferenced leaves until back under budget.
+
+    Raises:
+        ValueError: ``budget_bytes`` is not a positive int.
+    """
+
+    def __init__(self, budget_bytes: int):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"kv_budget_bytes must be a positive int, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.root = _Node(None, (), None, 0)
+        self._lru: OrderedDict[_Node, None] = OrderedDict()
+        self.bytes_held = 0
+        self.evictions = 0  # nodes evicted
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int], limit: int | None = None):
+        """Longest cached prefix of ``tokens``, at most ``limit`` tokens long.
+
+        Returns:
+            ``(segments, length, holder)``: ``segments`` is the list of KV tensors whose
+            concatenation along dim 3 is the KV of ``tokens[:length]`` (the last one may be a view
+            of part of a node's edge); ``holder`` is the deepest node those segments come from
+            (``acquire`` it to keep them from eviction while they are in use), or the root.
+        """
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        node, pos, segments = self.root, 0, []
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            edge = child.edge
+            n = min(len(edge), limit - pos)
+            k = 0
+            while k < n and edge[k] == tokens[pos + k]:
+                k += 1
+            if k == 0:
+                break
+            segments.append(child.kv if k == len(edge) else child.kv[:, :, :, :k])
+            node, pos = child, pos + k
+            if k < len(edge):
+                break
+        self._touch(node)
+        return segments, pos, node
+
+    def acquire(self, node: _Node) -> None:
+        """Protect ``node`` (and so its ancestors) from eviction until ``release``."""
+        node.refs += 1
+
+    def release(self, node: _Node) -> None:
+        node.refs -= 1
+
+    # -- insertion ------------------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor) -> _Node:
+        """Store the KV of ``tokens[start:]`` (``kv``'s dim 3 has ``len(tokens) - start`` entries).
+
+        ``tokens[:start]`` must be cached already (hold it with ``acquire`` between ``match`` and
+        ``insert``). Parts that another insertion already stored are kept and not duplicated.
+        Returns the node that ends at ``len(tokens)``; call ``evict`` afterwards.
+        """
+        if kv.shape[3] != len(tokens) - start:
+            raise ValueError(
+                f"kv covers {kv.shape[3]} tokens but tokens[start:] has {len(tokens) - start}"
+            )
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                if pos < start:
+                    raise KeyError(f"prefix tokens[:{start}] is not cached (evicted?)")
+                leaf = _Node(node, tuple(tokens[pos:]), kv[:, :, :, pos - start:].contiguous(),
+                             len(tokens))
+                node.children[tokens[pos]] = leaf
+                self.bytes_held += leaf.bytes
+                node = leaf
+                break
+            edge = child.edge
+            n = min(len(edge), len(tokens) - pos)
+            k = 0
+            while k < n and edge[k] == tokens[pos + k]:
+                k += 1
+            if k < len(edge):
+                child = self._split(child, k)
+            node, pos = child, pos + k
+        self._touch(node)
+        return node
+
+    def _split(self, node: _Node, k: int) -> _Node:
+        """Split ``node``'s edge after ``k`` tokens; return the new upper node."""
+        parent = node.parent
+        upper = _Node(parent, node.edge[:k], node.kv[:, :, :, :k].contiguous(),
+                      node.depth - len(node.edge) + k)
+        lower_kv = node.kv[:, :, :, k:].contiguous()
+        self.bytes_held += upper.bytes + lower_kv.numel() * lower_kv.element_size() - node.bytes
+        node.kv = lower_kv
+        node.bytes = lower_kv.numel() * lower_kv.element_size()
+        node.edge = node.edge[k:]
+        node.parent = upper
+        upper.children[node.edge[0]] = node
+        parent.children[upper.edge[0]] = upper
+        # keep the LRU invariant (parent more recent than descendants): place upper just after node
+        self._lru[upper] = None
+        return upper
+
+    # -- pinning, LRU, eviction ------------------------------------------------------------------
+
+    def pin(self, tokens: Sequence[int]) -> bool:
+        """Pin the node that ends exactly at ``tokens`` so it is never evicted; False if absent."""
+        node = self.find(tokens)
+        if node is None:
+            return False
+        node.pinned = True
+        return True
+
+    def find(self, tokens: Sequence[int]) -> _Node | None:
+        """The node ending exactly at ``len(tokens)``, or None."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None or tuple(tokens[pos:pos + len(child.edge)]) != child.edge:
+                return None
+            node, pos = child, pos + len(child.edge)
+        return node
+
+    def _touch(self, node: _Node) -> None:
+        while node is not self.root and node is not None:
+            self._lru[node] = None
+            self._lru.move_to_end(node)
+            node = node.parent
+
+    def evict(self) -> int:
+        """Evict LRU unreferenced, unpinned leaves until within budget; return bytes freed."""
+        freed = 0
+        if self.bytes_held <= self.budget_bytes:
+            return 0
+        for node in list(self._lru):
+            if self.bytes_held <= self.budget_bytes:
+                break
+            if node.children or node.refs or node.pinned:
+                continue
+            freed += self._remove(node)
+        return freed
+
+    def _remove(self, node: _Node) -> int:
+        del node.parent.children[node.edge[0]]
+        del self._lru[node]
+        self.bytes_held -= node.bytes
+        self.evictions += 1
+        node.kv = None
+        return node.bytes
+
+    def clear(self, keep_pinned: bool = False) -> None:
+        """Drop every node (or every node not on the path of a pinned node)."""
+        if not keep_pinned:
+            self.root.children.clear()
+            self._lru.clear()
+            self.bytes_held = 0
+            return
+        keep = set()
+        for node in self._lru:
+            if node.pinned:
+                while node is not self.root:
+                    keep.add(node)
+                    node = node.parent
+        for node in list(self._lru):  # leaves first, thanks to the LRU invariant
+            if node not in keep and not node.children:
+                self._remove(node)

@@ -1,0 +1,45 @@
+"""Async language models: ``AsyncLM`` and its backends, and ``load_model_by_name``."""
+
+from __future__ import annotations
+
+from ..batcher import BatcherClosed
+from .base import AsyncLM, Query
+from .hf import AsyncTransformer
+from .mlx import AsyncMlxLM
+from .mock import MockAsyncLM
+from .vllm import AsyncVirtualLM
+
+__all__ = [
+    "AsyncLM",
+    "AsyncTransformer",
+    "AsyncVirtualLM",
+    "AsyncMlxLM",
+    "MockAsyncLM",
+    "BatcherClosed",
+    "Query",
+    "load_model_by_name",
+]
+
+_BACKENDS = ("hf", "mock", "vllm")
+
+
+def load_model_by_name(name: str = "smollm2-135m", backend: str | None = None,
+                       llm_opts: dict | None = None) -> AsyncLM:
+    """Load a model by embedded alias, local folder or Hub id.
+
+    Args:
+        name: ``"smollm2-135m"`` (default), a local Hugging Face folder, or a Hub id.
+        backend: ``"hf"`` (AsyncTransformer), ``"mock"`` (MockAsyncLM) or ``"vllm"``; None picks
+            ``"hf"`` (the vLLM backend is not available in this release).
+        llm_opts: keyword options for the backend's ``from_name``.
+
+    Raises:
+        ValueError: unknown backend or model.
+    """
+    if backend is None:
+        backend = "hf"
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
+    opts = dict(llm_opts or {})
+    cls = {"hf": AsyncTransformer, "mock": MockAsyncLM, "vllm": AsyncVirtualLM}[backend]
+    return cls.from_name(name, **opts)

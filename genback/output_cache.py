@@ -1,0 +1,53 @@
+"""Bounded LRU cache of next-token log-prob rows, keyed by the whole context (a tuple of ids).
+
+Shared by every backend: a query whose context was already answered is served from here without
+joining a batch. Keys are whole contexts, never suffixes, so two different contexts never share a
+row. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Hashable
+
+
+class OutputCache:
+    """LRU map ``context -> row`` holding at most ``max_entries`` rows (0 disables caching).
+
+    Raises:
+        ValueError: ``max_entries`` is negative or not an int.
+    """
+
+    def __init__(self, max_entries: int):
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
+            raise ValueError(f"row_cache_size must be an int >= 0, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._rows: OrderedDict[Hashable, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, key: Hashable):
+        """The cached row for ``key`` (counted as a hit), or None."""
+        with self._lock:
+            row = self._rows.get(key)
+            if row is not None:
+                self._rows.move_to_end(key)
+                self.hits += 1
+            return row
+
+    def put(self, key: Hashable, row) -> None:
+        if self.max_entries == 0:
+            return
+        with self._lock:
+            self._rows[key] = row
+            self._rows.move_to_end(key)
+            while len(self._rows) > self.max_entries:
+                self._rows.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rows.clear()
+
+    def __len__(self) -> int:
+        return len(self._rows)
