@@ -159,11 +159,12 @@ def resolve(name: str | os.PathLike) -> str:
     """Resolve a model name to something ``from_pretrained`` accepts.
 
     ``name`` may be an embedded alias (converted on first use), a local Hugging Face folder, or a
-    Hub id (returned unchanged; loading it needs network access or a populated HF cache).
+    Hub id ``org/name`` (returned unchanged; loading it needs network access or a populated HF
+    cache). A bare name that is neither an alias nor a folder is an error at once (no network).
 
     Raises:
         TypeError: ``name`` is not a string or path.
-        ValueError: ``name`` is empty, or looks like a local path that does not exist.
+        ValueError: ``name`` is empty, an unknown alias, or a local path that does not exist.
     """
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"model name must be a str or path, got {type(name).__name__}: {name!r}")
@@ -174,6 +175,11 @@ def resolve(name: str | os.PathLike) -> str:
         return str(ensure_converted(name))
     if os.path.isdir(name):
         return name
+    if "/" not in name:
+        raise ValueError(
+            f"unknown model alias {name!r}: known aliases are {sorted(EMBEDDED_MODELS)}; "
+            "a Hub model needs its full id 'org/name', a local model an existing folder"
+        )
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ValueError(
             f"model {name!r} is neither an embedded alias {sorted(EMBEDDED_MODELS)}, "

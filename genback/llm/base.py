@@ -172,7 +172,8 @@ class AsyncLM:
 
         It computes on the calling thread (no batching) and shares the caches.
         """
-        return self.batch_next_token_logprobs_sync([token_ids], lora_name=lora_name)[0]
+        check_lora(lora_name)
+        return self._rows_sync([self._check_ids(token_ids)])[0]
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1)."""
@@ -185,14 +186,18 @@ class AsyncLM:
         """Blocking form of :meth:`batch_next_token_logprobs`: one batched computation."""
         contexts = self._check_list(token_ids_list, "token_ids_list")
         check_lora(lora_name)
-        keys = [self._check_ids(ids, f"token_ids_list[{i}]") for i, ids in enumerate(contexts)]
+        return self._rows_sync(
+            [self._check_ids(ids, f"token_ids_list[{i}]") for i, ids in enumerate(contexts)]
+        )
+
+    def _rows_sync(self, keys: list[tuple[int, ...]]) -> torch.Tensor:
+        """Rows for checked contexts, computed on this thread in one batch: ``[len(keys), V]``."""
         if self._batcher.closed:
             raise RuntimeError("the model was closed (aclose); no more queries are served")
-        distinct = list(dict.fromkeys(keys))
         for key in keys:
             self._count(len(key))
-        cached = {k: self._output_cache.get(k) for k in distinct}
-        missing = [k for k in distinct if cached[k] is None]
+        cached = {k: self._output_cache.get(k) for k in dict.fromkeys(keys)}
+        missing = [k for k, row in cached.items() if row is None]
         if missing:
             for k, row in zip(missing, self._compute_locked([Query(k) for k in missing])):
                 cached[k] = row

@@ -1,0 +1,281 @@
+"""Array layout of a token-character trie, built from one sort and one longest-common-prefix pass.
+
+Nodes are the distinct prefixes of the vocabulary's words plus one leaf per vocabulary item.
+Node ids follow the depth-first pre-order of the words in lexicographic order (a leaf comes
+before its siblings' subtrees, as the empty continuation sorts first), so:
+
+* the root is node 0;
+* the words below any node are one contiguous slice ``[start, end)`` of the sorted word list
+  ("leaf order"); node values are reductions over that slice.
+
+Construction (no per-byte Python loop):
+
+1. ``order`` = stable sort of the items by their letter sequences; ``lcp[k]`` = longest common
+   prefix of sorted words ``k-1`` and ``k`` (vectorised over a padded byte matrix).
+2. Word ``k`` creates the nodes at depths ``lcp[k]+1 .. len_k`` ("forward" enumeration, which is
+   the pre-order) and closes the nodes at depths ``lcp[k+1]+1 .. len_k`` ("backward" enumeration).
+   Ranked by (depth, word) both enumerations list the same nodes in the same order, which pairs
+   every node's first word with its last word: ``[start, end)`` without a stack.
+3. A node's parent is the previous pre-order node of the same word, or (for the first node a word
+   creates) the node one level up found by binary search in the (depth, word)-sorted list.
+
+Letters: a ``bytes`` / ``Token`` item's letters are its bytes (ints 0..255). Any other item is
+iterated; letters that are ints in 0..255 are bytes, every other letter (e.g. genlm-control's
+``EOS`` object, which iterates to itself) becomes a symbol code 256, 257, ... in order of first
+appearance, sorting after all bytes. Symbols switch the keys to two bytes per letter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..tokenization.token import Token
+
+__all__ = ["TrieLayout", "build_layout"]
+
+_LCP_WIDTH = 64  # columns of the padded matrix; longer common prefixes are finished in Python
+
+
+@dataclass
+class TrieLayout:
+    """Node arrays of a trie over ``V`` items with ``N`` nodes (int64 numpy arrays)."""
+
+    num_items: int
+    order: np.ndarray  # (V,) item index of the k-th word in leaf order
+    leaf_of_item: np.ndarray  # (V,) leaf node of item i
+    parent: np.ndarray  # (N,) parent node, -1 for the root
+    depth: np.ndarray  # (N,) letters in the node's prefix (a leaf: its word's length)
+    letter: np.ndarray  # (N,) code of the edge letter into the node; -1 root and leaves
+    start: np.ndarray  # (N,) first leaf-order word below the node
+    end: np.ndarray  # (N,) one past the last leaf-order word below the node
+    is_leaf: np.ndarray  # (N,) bool
+    item_of_node: np.ndarray  # (N,) item index of a leaf, -1 for inner nodes
+    keys: list  # (V,) sorted encoded words (bytes), width bytes per letter
+    width: int  # 1 (all items are bytes) or 2 (symbol letters present)
+    symbols: list = field(default_factory=list)  # symbol code 256 + j -> letter object
+    # lookup support: inner nodes sorted by (depth, first word)
+    inner_key_sorted: np.ndarray = None
+    inner_node_sorted: np.ndarray = None
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parent)
+
+    def decode_letter(self, code: int):
+        """Letter object for a letter code (an int byte, or the original symbol object)."""
+        return code if code < 256 else self.symbols[code - 256]
+
+    def encode_prefix(self, prefix) -> bytes | None:
+        """Encoded key of a letter sequence, or ``None`` if it has an unknown symbol."""
+        if isinstance(prefix, (bytes, bytearray, memoryview)):
+            prefix = bytes(prefix)
+            if self.width == 1:
+                return prefix
+            return np.frombuffer(prefix, np.uint8).astype(">u2").tobytes()
+        codes = []
+        index = {id(s): j for j, s in enumerate(self.symbols)}
+        for letter in prefix:
+            if isinstance(letter, (int, np.integer)) and not isinstance(letter, bool) and 0 <= letter < 256:
+                codes.append(int(letter))
+            else:
+                j = index.get(id(letter))
+                if j is None:
+                    j = next((j for j, s in enumerate(self.symbols) if s == letter), None)
+                if j is None:
+                    return None
+                codes.append(256 + j)
+        if self.width == 1:
+            if any(c >= 256 for c in codes):
+                return None
+            return bytes(codes)
+        return np.asarray(codes, dtype=">u2").tobytes()
+
+
+def _encode_items(decode) -> tuple[list, int, list]:
+    """Encode items as sortable byte keys. Returns (keys, width, symbols)."""
+    keys = []
+    generic = []
+    for i, item in enumerate(decode):
+        if type(item) is bytes:
+            keys.append(item)
+        elif isinstance(item, bytes):  # Token: plain bytes (Token orders by id, not bytes)
+            keys.append(bytes(item))
+        elif isinstance(item, (bytearray, memoryview)):
+            keys.append(bytes(item))
+        else:
+            keys.append(None)
+            generic.append(i)
+    if not generic:
+        return keys, 1, []
+    symbols: list = []
+    symbol_index: dict = {}
+    coded = {}
+    for i in generic:
+        item = decode[i]
+        try:
+            letters = list(item)
+        except TypeError:
+            raise TypeError(
+                f"TokenCharacterTrie: decode[{i}] = {item!r} is neither bytes, a Token, nor iterable"
+            ) from None
+        codes = []
+        for letter in letters:
+            if isinstance(letter, (int, np.integer)) and not isinstance(letter, bool) and 0 <= letter < 256:
+                codes.append(int(letter))
+                continue
+            try:
+                j = symbol_index.setdefault(letter, len(symbols))
+            except TypeError:
+                raise TypeError(
+                    f"TokenCharacterTrie: decode[{i}] has an unhashable letter {letter!r}"
+                ) from None
+            if j == len(symbols):
+                symbols.append(letter)
+            codes.append(256 + j)
+        coded[i] = codes
+    if len(symbols) > 65535 - 256:
+        raise ValueError(f"TokenCharacterTrie: too many distinct non-byte letters ({len(symbols)})")
+    # Two bytes per letter (big-endian) keeps lexicographic order.
+    plain = [i for i in range(len(keys)) if keys[i] is not None]
+    if plain:
+        lengths = np.fromiter((len(keys[i]) for i in plain), np.int64, len(plain))
+        wide = np.frombuffer(b"".join(keys[i] for i in plain), np.uint8).astype(">u2").tobytes()
+        bounds = np.concatenate([[0], np.cumsum(lengths * 2)]).tolist()
+        for n, i in enumerate(plain):
+            keys[i] = wide[bounds[n] : bounds[n + 1]]
+    for i, codes in coded.items():
+        keys[i] = np.asarray(codes, dtype=">u2").tobytes()
+    return keys, 2, symbols
+
+
+def _letters_matrix(keys: list, width: int, ncols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Letter codes of sorted keys in a (V, ncols) matrix (padded with -1) and the word lengths."""
+    dtype = np.uint8 if width == 1 else np.dtype(">u2")
+    flat = np.frombuffer(b"".join(keys), dtype).astype(np.int32)
+    lengths = np.fromiter((len(k) for k in keys), np.int64, len(keys)) // width
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    mat = np.full((len(keys), ncols), -1, np.int32)
+    cols = np.arange(len(flat), dtype=np.int64) - np.repeat(offsets, lengths)
+    keep = cols < ncols
+    rows = np.repeat(np.arange(len(keys), dtype=np.int64), lengths)
+    mat[rows[keep], cols[keep]] = flat[keep]
+    return mat, lengths, flat, offsets
+
+
+def _lcp(keys: list, width: int, mat: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """lcp[k] = common prefix (letters) of sorted words k-1 and k; lcp[0] = 0."""
+    V = len(keys)
+    lcp = np.zeros(V, np.int64)
+    if V < 2:
+        return lcp
+    ncols = mat.shape[1]
+    neq = mat[1:] != mat[:-1]
+    first = np.where(neq.any(axis=1), neq.argmax(axis=1), ncols)
+    lcp[1:] = np.minimum(first, np.minimum(lengths[1:], lengths[:-1]))
+    for k in np.flatnonzero(lcp[1:] >= ncols) + 1:  # long shared prefixes (rare)
+        a, b = keys[k - 1], keys[k]
+        n = min(len(a), len(b)) // width
+        j = ncols
+        while j < n and a[j * width : (j + 1) * width] == b[j * width : (j + 1) * width]:
+            j += 1
+        lcp[k] = j
+    return lcp
+
+
+def _ranks_by_depth(owner: np.ndarray, depth: np.ndarray) -> np.ndarray:
+    """Permutation sorting (depth, owner) lexicographically; owner is already non-decreasing."""
+    return np.argsort(depth, kind="stable")
+
+
+def build_layout(decode) -> TrieLayout:
+    """Build the ``TrieLayout`` of a list of vocabulary items (see the module docstring)."""
+    V = len(decode)
+    keys, width, symbols = _encode_items(decode)
+    order = np.asarray(sorted(range(V), key=keys.__getitem__), dtype=np.int64)
+    skeys = [keys[i] for i in order.tolist()]
+    if V == 0:
+        z = np.zeros(1, np.int64)
+        return TrieLayout(0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.array([-1]), z, np.array([-1]),
+                          z, z.copy(), np.zeros(1, bool), np.array([-1]), [], width, symbols,
+                          np.zeros(0, np.int64), np.zeros(0, np.int64))
+    maxlen = max(len(k) for k in skeys) // width
+    mat, L, flat, offsets = _letters_matrix(skeys, width, max(1, min(maxlen, _LCP_WIDTH)))
+    lcp_prev = _lcp(skeys, width, mat, L)
+    lcp_next = np.append(lcp_prev[1:], 0)
+
+    # Inner nodes, forward enumeration (= pre-order): word k creates depths lcp_prev[k]+1 .. L[k].
+    n_new = np.maximum(L - lcp_prev, 0)
+    f_word = np.repeat(np.arange(V, dtype=np.int64), n_new)
+    f_first = np.repeat(np.cumsum(n_new) - n_new, n_new)
+    f_depth = np.arange(len(f_word), dtype=np.int64) - f_first + np.repeat(lcp_prev + 1, n_new)
+    # Backward enumeration: word k closes depths lcp_next[k]+1 .. L[k].
+    n_close = np.maximum(L - lcp_next, 0)
+    b_word = np.repeat(np.arange(V, dtype=np.int64), n_close)
+    b_first = np.repeat(np.cumsum(n_close) - n_close, n_close)
+    b_depth = np.arange(len(b_word), dtype=np.int64) - b_first + np.repeat(lcp_next + 1, n_close)
+    assert len(b_word) == len(f_word)
+
+    # Pre-order ids: root 0, then per word its new inner nodes followed by its leaf.
+    per_word = n_new + 1
+    word_base = 1 + np.cumsum(per_word) - per_word  # id of word k's first new node
+    f_id = np.repeat(word_base, n_new) + (np.arange(len(f_word)) - f_first)
+    leaf_id = word_base + n_new
+    N = 1 + len(f_word) + V
+
+    f_rank = _ranks_by_depth(f_word, f_depth)
+    b_rank = _ranks_by_depth(b_word, b_depth)
+    start = np.zeros(N, np.int64)
+    end = np.full(N, V, np.int64)
+    start[f_id[f_rank]] = f_word[f_rank]
+    end[f_id[f_rank]] = b_word[b_rank] + 1
+    start[leaf_id] = np.arange(V)
+    end[leaf_id] = np.arange(V) + 1
+
+    # Search structure: inner nodes sorted by (depth, first word).
+    stride = V + 1
+    inner_key_sorted = f_depth[f_rank] * stride + f_word[f_rank]
+    inner_node_sorted = f_id[f_rank]
+
+    def containing(depth_q: np.ndarray, word_q: np.ndarray) -> np.ndarray:
+        """Node at depth ``depth_q`` (>= 1) on the path of sorted word ``word_q``."""
+        pos = np.searchsorted(inner_key_sorted, depth_q * stride + word_q, side="right") - 1
+        return inner_node_sorted[pos]
+
+    parent = np.full(N, -1, np.int64)
+    depth = np.zeros(N, np.int64)
+    depth[f_id] = f_depth
+    depth[leaf_id] = L
+    # inner nodes: previous pre-order id unless first created by its word
+    first_new = np.zeros(len(f_word), bool)
+    first_new[np.cumsum(n_new)[n_new > 0] - n_new[n_new > 0]] = True
+    parent[f_id[~first_new]] = f_id[~first_new] - 1
+    fd = f_depth[first_new]
+    fw = f_word[first_new]
+    par = np.zeros(len(fd), np.int64)
+    deep = fd > 1
+    par[deep] = containing(fd[deep] - 1, fw[deep])
+    parent[f_id[first_new]] = par
+    # leaves: the node at depth L[k] on word k's path
+    leaf_parent = np.zeros(V, np.int64)
+    own = n_new > 0
+    leaf_parent[own] = leaf_id[own] - 1
+    other = ~own & (L > 0)
+    leaf_parent[other] = containing(L[other], np.flatnonzero(other))
+    parent[leaf_id] = leaf_parent
+
+    letter = np.full(N, -1, np.int64)
+    letter[f_id] = flat[np.repeat(offsets, n_new) + f_depth - 1]
+    is_leaf = np.zeros(N, bool)
+    is_leaf[leaf_id] = True
+    item_of_node = np.full(N, -1, np.int64)
+    item_of_node[leaf_id] = order
+    leaf_of_item = np.empty(V, np.int64)
+    leaf_of_item[order] = leaf_id
+    return TrieLayout(
+        num_items=V, order=order, leaf_of_item=leaf_of_item, parent=parent, depth=depth,
+        letter=letter, start=start, end=end, is_leaf=is_leaf, item_of_node=item_of_node,
+        keys=skeys, width=width, symbols=symbols,
+        inner_key_sorted=inner_key_sorted, inner_node_sorted=inner_node_sorted,
+    )

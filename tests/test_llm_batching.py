@@ -1,0 +1,149 @@
+"""Batching, KV reuse accounting, event-loop friendliness, several loops, sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from genback.llm import AsyncTransformer
+
+
+async def test_one_token_extensions_forward_one_token_each(tiny_lm):
+    ctx = list(range(1000, 1030))
+    await tiny_lm.next_token_logprobs(ctx)
+    start = tiny_lm.cache_info()["tokens_forwarded"]
+    T = 12
+    for t in range(T):
+        await tiny_lm.next_token_logprobs(ctx + list(range(2000, 2001 + t)))
+    assert tiny_lm.cache_info()["tokens_forwarded"] - start == T
+
+
+async def test_particles_extending_in_lockstep_forward_one_token_each(tiny_lm):
+    prompt = list(range(10, 50))
+    particles = [prompt + [p] for p in range(8)]
+    await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in particles))
+    start = tiny_lm.cache_info()["tokens_forwarded"]
+    for step in range(5):
+        particles = [c + [100 + step] for c in particles]
+        await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in particles))
+    assert tiny_lm.cache_info()["tokens_forwarded"] - start == 5 * 8
+
+
+@pytest.mark.parametrize("cap", [1, 7, 16, 64])
+async def test_gather_of_64_distinct_queries_uses_at_most_ceil_64_over_cap_forwards(
+    tiny_hf, gpt2_tok, cap
+):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_size=cap, batch_window=0.05)
+    try:
+        await asyncio.gather(*(lm.next_token_logprobs([i, i + 1, i + 2]) for i in range(64)))
+        assert lm.cache_info()["forwards"] <= math.ceil(64 / cap)
+    finally:
+        await lm.aclose()
+
+
+async def test_identical_contexts_in_a_batch_are_computed_once(tiny_lm):
+    rows = await asyncio.gather(*(tiny_lm.next_token_logprobs([4, 5, 6]) for _ in range(10)))
+    assert tiny_lm.cache_info()["tokens_forwarded"] == 3
+    assert all(torch.equal(r, rows[0]) for r in rows)
+    assert rows[0].data_ptr() != rows[1].data_ptr()  # each caller owns its row
+
+
+async def test_window_is_measured_from_the_first_query(tiny_hf, gpt2_tok):
+    """A steady trickle (one query per ms) must not starve the first query."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.01, batch_size=1000)
+    try:
+        first = asyncio.ensure_future(lm.next_token_logprobs([1, 2, 3]))
+        others = []
+        first_done_while_trickling = False
+        for i in range(150):
+            await asyncio.sleep(0.001)
+            if first.done():
+                first_done_while_trickling = True
+                break
+            others.append(asyncio.ensure_future(lm.next_token_logprobs([7, i])))
+        assert first_done_while_trickling
+        await asyncio.gather(first, *others)
+    finally:
+        await lm.aclose()
+
+
+async def test_loop_keeps_serving_while_the_model_computes(smol_lm):
+    """A 1 ms ticker on the loop keeps ticking while a long (> 0.3 s) forward runs.
+
+    On these 2-vCPU VMs the same ticker with an *idle* worker already sees isolated 5-10 ms gaps
+    (timer and vCPU scheduling noise, measured while writing this test), so the bound is on the
+    99th percentile (<= 5 ms) plus a hard cap far below the forward's duration: a forward run on
+    the loop thread would show up as one gap as long as the forward itself.
+    """
+    ids = smol_lm.tokenizer.encode("word " * 400)[:400]
+    gaps = []
+    stop = False
+
+    async def ticker():
+        last = time.perf_counter()
+        while not stop:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.02)
+    gaps.clear()
+    t0 = time.perf_counter()
+    await smol_lm.next_token_logprobs(ids)
+    forward_time = time.perf_counter() - t0
+    stop = True
+    await task
+    assert forward_time > 0.3  # the forward really was long enough to matter
+    gaps.sort()
+    p99 = gaps[int(0.99 * (len(gaps) - 1))]
+    assert len(gaps) >= forward_time / 0.005  # it ticked throughout
+    assert p99 <= 0.005, f"99th percentile gap {p99 * 1000:.1f} ms"
+    assert gaps[-1] <= min(0.05, forward_time / 10), f"max gap {gaps[-1] * 1000:.1f} ms"
+
+
+def test_one_model_serves_successive_event_loops(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    try:
+        async def ask(ids):
+            return await asyncio.gather(lm.next_token_logprobs(ids), lm.next_token_logprobs(ids + [1]))
+
+        first = asyncio.run(ask([3, 4, 5]))
+        second = asyncio.run(ask([3, 4, 5, 6]))
+        third = asyncio.run(ask([3, 4, 5]))
+        assert torch.equal(first[0], third[0])
+        ref = lm.next_token_logprobs_uncached([3, 4, 5, 6, 1])
+        assert float((second[1] - ref).abs().max()) <= 1e-5
+    finally:
+        lm.close()
+
+
+async def test_seeded_sampling_is_reproducible(tiny_lm):
+    eos = [gpt2_eos := tiny_lm.tokenizer.eos_token_id]
+    a = await tiny_lm.sample([1, 2, 3], max_tokens=12, eos_token_ids=eos, seed=7)
+    tiny_lm.clear_cache()
+    b = await tiny_lm.sample([1, 2, 3], max_tokens=12, eos_token_ids=eos, seed=7)
+    assert a == b and len(a) <= 12 and gpt2_eos not in a
+    batch = await tiny_lm.batch_sample([[1, 2, 3], [9, 9]], 12, eos, seed=[7, 8])
+    assert batch[0] == a
+    again = await tiny_lm.batch_sample([[1, 2, 3], [9, 9]], 12, eos, seed=[7, 8])
+    assert again == batch
+    others = [await tiny_lm.sample([1, 2, 3], 12, eos, seed=s) for s in range(8, 12)]
+    assert any(o != a for o in others)  # the seed matters
+
+
+async def test_sampling_follows_the_distribution(tiny_lm):
+    """First-token frequencies over many seeds match the model's probabilities (chi-square-ish)."""
+    prompt = [11, 12]
+    probs = torch.exp(await tiny_lm.next_token_logprobs(prompt))
+    top = int(probs.argmax())
+    n = 400
+    draws = await tiny_lm.batch_sample([prompt] * n, 1, [], seed=list(range(n)))
+    freq = sum(d[0] == top for d in draws) / n
+    p = float(probs[top])
+    assert abs(freq - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-3

@@ -1,0 +1,163 @@
+"""Bad input fails only its caller; failures, cancellation, reset and close leave others served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from genback.llm import AsyncTransformer, BatcherClosed, load_model_by_name
+
+BAD_IDS = [
+    ([], ValueError, "non-empty"),
+    ([1, 2, 99999999], ValueError, r"token_ids\[2\] = 99999999 is outside"),
+    ([-1], ValueError, r"token_ids\[0\] = -1"),
+    ([1, 2.0], TypeError, r"token_ids\[1\] must be an int"),
+    ([True, 3], TypeError, r"token_ids\[0\] must be an int"),
+    ("hello", TypeError, "must be a list of int token ids, got str"),
+    (None, TypeError, "got NoneType"),
+    (torch.tensor([[1, 2]]), ValueError, "must be 1-D"),
+    (torch.tensor([1.0, 2.0]), TypeError, "dtype torch.float32"),
+]
+
+
+@pytest.mark.parametrize("bad, exc, match", BAD_IDS)
+async def test_bad_token_ids_fail_only_that_caller(tiny_lm, bad, exc, match):
+    good = [[5, 6], [5, 7], [8]]
+    results = await asyncio.gather(
+        tiny_lm.next_token_logprobs(good[0]),
+        tiny_lm.next_token_logprobs(bad),
+        tiny_lm.next_token_logprobs(good[1]),
+        tiny_lm.next_token_logprobs(good[2]),
+        return_exceptions=True,
+    )
+    assert isinstance(results[1], exc)
+    with pytest.raises(exc, match=match):
+        await tiny_lm.next_token_logprobs(bad)
+    for ids, row in zip(good, [results[0], results[2], results[3]]):
+        assert float((row - tiny_lm.next_token_logprobs_uncached(ids)).abs().max()) <= 1e-5
+    with pytest.raises(exc, match=match):
+        tiny_lm.next_token_logprobs_sync(bad)
+
+
+async def test_accepted_id_containers(tiny_lm):
+    ref = await tiny_lm.next_token_logprobs([3, 4])
+    for ids in ((3, 4), np.array([3, 4]), torch.tensor([3, 4]), [np.int64(3), 4]):
+        assert torch.equal(await tiny_lm.next_token_logprobs(ids), ref)
+
+
+async def test_other_bad_arguments(tiny_lm):
+    with pytest.raises(ValueError, match="continuation_ids must be non-empty"):
+        await tiny_lm.token_logprobs([1], [])
+    with pytest.raises(ValueError, match="context_ids must be non-empty"):
+        await tiny_lm.token_logprobs([], [1])
+    with pytest.raises(ValueError, match="lora_name='x'"):
+        await tiny_lm.next_token_logprobs([1], lora_name="x")
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 0, got -1"):
+        await tiny_lm.sample([1], -1, [0])
+    with pytest.raises(ValueError, match="temperature must be a number > 0, got 0"):
+        await tiny_lm.sample([1], 3, [0], temperature=0)
+    with pytest.raises(ValueError, match="token_ids_list must hold at least one context"):
+        await tiny_lm.batch_next_token_logprobs([])
+    with pytest.raises(ValueError, match="more than the model's context of 512"):
+        await tiny_lm.next_token_logprobs([1] * 513)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("kv_budget_bytes", 0), ("kv_budget_bytes", -5), ("batch_size", 0), ("max_batch_tokens", 0),
+    ("batch_window", -1.0), ("row_cache_size", -1), ("batch_size", 2.5),
+])
+def test_bad_options(tiny_hf, gpt2_tok, option, value):
+    with pytest.raises(ValueError, match=f"{value}"):
+        AsyncTransformer(tiny_hf, gpt2_tok, **{option: value})
+
+
+def test_unknown_model_and_backend():
+    with pytest.raises(ValueError, match="neither an embedded alias"):
+        AsyncTransformer.from_name("./no/such/folder")
+    with pytest.raises(ValueError, match="unknown model alias 'smollm-does-not-exist'"):
+        AsyncTransformer.from_name("smollm-does-not-exist")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        load_model_by_name("smollm2-135m", backend="tensorrt")
+    with pytest.raises(TypeError, match="model name must be a str"):
+        AsyncTransformer.from_name(123)
+
+
+class _FailingTransformer(AsyncTransformer):
+    """Fault injection: the forward raises whenever a batch contains the poison token."""
+
+    POISON = 666
+
+    def _compute(self, queries):
+        if any(self.POISON in q.tokens for q in queries):
+            raise RuntimeError("injected forward failure")
+        return super()._compute(queries)
+
+
+async def test_a_failing_forward_fails_only_its_batch(tiny_hf, gpt2_tok):
+    lm = _FailingTransformer(tiny_hf, gpt2_tok, batch_size=2, batch_window=0.05)
+    try:
+        # batches are taken in arrival order, two queries each: [poison, a], [b, c]
+        results = await asyncio.gather(
+            lm.next_token_logprobs([1, lm.POISON]), lm.next_token_logprobs([1, 2]),
+            lm.next_token_logprobs([3, 4]), lm.next_token_logprobs([5]),
+            return_exceptions=True,
+        )
+        assert [type(r).__name__ for r in results[:2]] == ["RuntimeError", "RuntimeError"]
+        for ids, row in zip([[3, 4], [5]], results[2:]):
+            assert float((row - lm.next_token_logprobs_uncached(ids)).abs().max()) <= 1e-5
+        # the failed batch left no half-written cache behind and the model keeps serving
+        row = await lm.next_token_logprobs([1, 2])
+        assert float((row - lm.next_token_logprobs_uncached([1, 2])).abs().max()) <= 1e-5
+    finally:
+        await lm.aclose()
+
+
+async def test_cancelled_caller_is_dropped_and_not_computed(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    try:
+        keep = asyncio.ensure_future(lm.next_token_logprobs([10, 11, 12]))
+        gone = asyncio.ensure_future(lm.next_token_logprobs([20, 21, 22, 23, 24, 25]))
+        await asyncio.sleep(0)
+        gone.cancel()
+        row = await keep
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert lm.cache_info()["tokens_forwarded"] == 3  # the cancelled context never ran
+        assert float((row - lm.next_token_logprobs_uncached([10, 11, 12])).abs().max()) <= 1e-5
+    finally:
+        await lm.aclose()
+
+
+async def test_reset_fails_every_pending_caller(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=10.0)
+    try:
+        pending = [asyncio.ensure_future(lm.next_token_logprobs([i + 1])) for i in range(5)]
+        await asyncio.sleep(0.01)
+        assert lm.reset_async_queries() == 5
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        assert all(isinstance(r, BatcherClosed) for r in results)
+    finally:
+        await lm.aclose()
+    lm2 = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.0)
+    try:
+        assert (await lm2.next_token_logprobs([1])).shape == (lm2.vocab_size,)  # still serving
+    finally:
+        await lm2.aclose()
+
+
+async def test_aclose_is_idempotent_and_fails_later_queries(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=10.0)
+    pending = asyncio.ensure_future(lm.next_token_logprobs([1, 2]))
+    await asyncio.sleep(0.01)
+    await lm.aclose()
+    await lm.aclose()
+    lm.close()
+    with pytest.raises(BatcherClosed):
+        await pending
+    with pytest.raises(BatcherClosed, match="closed"):
+        await lm.next_token_logprobs([1])
+    with pytest.raises(RuntimeError, match="closed"):
+        lm.next_token_logprobs_sync([1])
