@@ -120,6 +120,8 @@ def ensure_converted(alias: str) -> Path:
     with FileLock(str(final) + ".lock"):
         if is_ready(alias):  # another process finished while we waited
             return final
+        for stale in final.parent.glob(f".{alias}.*"):  # left by a killed conversion
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.", dir=final.parent))
         os.chmod(tmp, 0o755)
         try:

@@ -26,7 +26,8 @@ class Query:
     ``targets is None``: the next-token log-prob row after ``tokens`` (float32 ``[V]``).
     Otherwise: the log-probs of ``targets`` at the last ``len(targets)`` positions of
     ``tokens + targets[-1:]``, i.e. ``tokens = context + continuation[:-1]`` and
-    ``targets = continuation`` (float32 ``[len(targets)]``).
+    ``targets = continuation`` (float32 ``[len(targets)]``). ``targets == ()``: only compute and
+    keep the KV of ``tokens`` (backends with a KV cache; the result is None).
     """
 
     tokens: tuple[int, ...]
@@ -292,13 +293,15 @@ class AsyncLM:
 
     def cache_info(self) -> dict:
         """Counters: ``queries`` (calls answered), ``tokens_queried`` (their context lengths),
-        ``row_hits`` (answered from the output cache), ``batches``, ``rows_cached``; backends add
+        ``row_hits`` (answered from the output cache), ``batches``, ``batched_queries`` (distinct
+        queries those batches computed), ``rows_cached``; backends add
         ``forwards``, ``tokens_forwarded``, ``kv_bytes``, ``kv_nodes``, ``evictions``."""
         return {
             "queries": self._queries,
             "tokens_queried": self._tokens_queried,
             "row_hits": self._output_cache.hits,
             "batches": self._batcher.batches,
+            "batched_queries": self._batcher.queries,
             "rows_cached": len(self._output_cache),
         }
 

@@ -63,6 +63,7 @@ class AsyncTransformer(AsyncLM):
         self._tree = KVTree(check_positive_int(kv_budget_bytes, "kv_budget_bytes"))
         self.max_context_length = getattr(hf_model.config, "max_position_embeddings", None)
         self._pad_id = 0
+        self._hot = None  # (row of each context, per-layer KV) of the last unpadded forward
         self.forwards = 0
         self.tokens_forwarded = 0  # real (unpadded) tokens
         self.padded_tokens_forwarded = 0
@@ -124,12 +125,15 @@ class AsyncTransformer(AsyncLM):
 
     def _clear_backend_cache(self) -> None:
         self._tree.clear(keep_pinned=True)
+        self._hot = None
 
     def clear_kv_cache(self) -> None:
         with self._forward_lock:
             self._tree.clear()
+            self._hot = None
 
     def _close_backend(self) -> None:
+        self._clear_backend_cache()
         self._tree.clear()
 
     def cache_kv(self, prompt_tokens, lora_name=None) -> None:
@@ -168,6 +172,15 @@ class AsyncTransformer(AsyncLM):
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
 
     def _compute(self, queries: list[Query]) -> list[torch.Tensor]:
+        shared = _shared_prefixes([q.tokens for q in queries], self._cached_length)
+        if shared:  # prefill prefixes that several queries share but nobody has cached, once
+            self._run([Query(prefix, ()) for prefix in shared])
+        return self._run(queries)
+
+    def _cached_length(self, tokens) -> int:
+        return self._tree.match(tokens)[1]
+
+    def _run(self, queries: list[Query]) -> list[torch.Tensor]:
         plans = []
         try:
             for q in queries:
@@ -176,9 +189,10 @@ class AsyncTransformer(AsyncLM):
                 segments, cached, holder = self._tree.match(q.tokens, len(q.tokens) - q.n_outputs)
                 self._tree.acquire(holder)
                 plans.append(_Plan(q, segments, cached, holder))
-            for group in _group_by_length(plans, self.max_batch_tokens):
+            todo = [p for p in plans if p.cached < len(p.query.tokens)]  # KV-only may be done
+            for group in _group_by_length(todo, self.max_batch_tokens):
                 self._forward(group)
-            for p in plans:
+            for p in todo:
                 self._tree.insert(p.query.tokens, p.cached, p.new_kv)
                 p.new_kv = None
         finally:
@@ -206,29 +220,25 @@ class AsyncTransformer(AsyncLM):
 
         cache = None
         if max_past > 0:
+            past = self._hot_past(group, max_past) or self._assemble_past(group, max_past)
             cache = DynamicCache()
-            layout = next(s for p in group for s in p.segments)  # [layers, 2, heads, len, dim]
-            pad_shape = layout.shape[:3] + (max_past,) + layout.shape[4:]
-            pad = torch.zeros(pad_shape, dtype=layout.dtype, device=layout.device)
-            pieces = []
-            for p in group:
-                if p.cached < max_past:
-                    pieces.append(pad[:, :, :, : max_past - p.cached])
-                pieces.extend(p.segments)
-            past = torch.cat(pieces, dim=3)
-            past = past.view(*layout.shape[:3], n, max_past, layout.shape[4])
-            for layer in range(past.shape[0]):
-                cache.update(past[layer, 0].transpose(0, 1), past[layer, 1].transpose(0, 1), layer)
-            del past, pieces
+            for layer, (keys, values) in enumerate(past):
+                # initialise the layer with an empty slice, then hand it the assembled past
+                # (``update`` would copy it once more by concatenating onto an empty tensor)
+                cache.update(keys[:, :, :0], values[:, :, :0], layer)
+                cache.layers[layer].keys, cache.layers[layer].values = keys, values
+            del past
 
         # positions (in the new-token axis) whose logits some row needs
         wanted = sorted({j for p, m in zip(group, new_lens)
                          for j in range(m - p.query.n_outputs, m)})
-        keep = torch.tensor(wanted, dtype=torch.long, device=dev)
+        keep = torch.tensor(wanted or [max_new - 1], dtype=torch.long, device=dev)
         with torch.inference_mode():
             out = self.model(
                 input_ids=input_ids.to(dev),
-                attention_mask=mask.to(dev),
+                # no padding anywhere (e.g. particles of equal length): let the model use its
+                # plain causal path, which is faster than a padding mask
+                attention_mask=None if bool(mask.all()) else mask.to(dev),
                 position_ids=positions.to(dev),
                 past_key_values=cache,
                 use_cache=True,
@@ -237,6 +247,12 @@ class AsyncTransformer(AsyncLM):
             logprobs = torch.log_softmax(out.logits.float(), dim=-1)
             column = {j: k for k, j in enumerate(wanted)}
             layers = out.past_key_values.layers
+            # keep this forward's whole KV for the next one if it has no padding: particles that
+            # each extend their context by a token then reuse it as is (no assembly copy)
+            self._hot = None
+            if bool(mask.all()):
+                self._hot = ({p.query.tokens: i for i, p in enumerate(group)},
+                             [(layer.keys, layer.values) for layer in layers])
             new_kv = torch.stack([
                 torch.stack((layer.keys[:, :, max_past:], layer.values[:, :, max_past:]))
                 for layer in layers
@@ -244,6 +260,8 @@ class AsyncTransformer(AsyncLM):
             for i, p in enumerate(group):
                 m = new_lens[i]
                 p.new_kv = new_kv[:, :, i, :, :m]
+                if p.query.targets == ():  # KV only (a shared-prefix prefill)
+                    continue
                 if p.query.targets is None:
                     p.result = logprobs[i, column[m - 1]].cpu().clone()
                 else:
@@ -254,6 +272,37 @@ class AsyncTransformer(AsyncLM):
         self.forwards += 1
         self.tokens_forwarded += sum(new_lens)
         self.padded_tokens_forwarded += n * max_new
+
+
+    def _hot_past(self, group: list["_Plan"], max_past: int):
+        """The previous forward's KV as this forward's past, if every row extends one of its
+        rows by new tokens (rows may be reordered or repeated: then one ``index_select``)."""
+        hot = self._hot
+        if hot is None or any(p.cached != max_past for p in group):
+            return None
+        index = [hot[0].get(p.query.tokens[:max_past]) for p in group]
+        if None in index:
+            return None
+        if index == list(range(len(hot[0]))):
+            return hot[1]
+        rows = torch.tensor(index, device=self.device)
+        return [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in hot[1]]
+
+    def _assemble_past(self, group: list["_Plan"], max_past: int):
+        """Per-layer ``(keys, values)`` ``[rows, heads, max_past, dim]`` from the prefix tree,
+        each row left-padded with zeros (masked out) to ``max_past``."""
+        layout = next(s for p in group for s in p.segments)  # [layers, 2, heads, len, dim]
+        n_layers, _, heads, _, dim = layout.shape
+        past = torch.empty((n_layers, 2, len(group), heads, max_past, dim),
+                           dtype=layout.dtype, device=layout.device)
+        for i, p in enumerate(group):
+            pos = max_past - p.cached
+            if pos:
+                past[:, :, i, :, :pos].zero_()
+            for seg in p.segments:
+                past[:, :, i, :, pos: pos + seg.shape[3]].copy_(seg)
+                pos += seg.shape[3]
+        return [(past[layer, 0], past[layer, 1]) for layer in range(n_layers)]
 
 
 class _Plan:
@@ -293,3 +342,27 @@ def _group_by_length(plans: list[_Plan], max_tokens: int) -> list[list[_Plan]]:
     if group:
         groups.append(group)
     return groups
+
+
+def _shared_prefixes(contexts: list[tuple[int, ...]], cached_length, min_gain: int = 2):
+    """Prefixes that two or more contexts share beyond their cached part (at least ``min_gain``
+    tokens beyond it), distinct and sorted; forwarding them once first saves re-forwarding them
+    for every context (e.g. the first step of particles that all extend one uncached prompt)."""
+    if len(contexts) < 2:
+        return []
+    order = sorted(set(contexts))
+    lcp = [0] * len(order)  # lcp[i]: common prefix length of order[i-1] and order[i]
+    for i in range(1, len(order)):
+        a, b = order[i - 1], order[i]
+        n = min(len(a), len(b))
+        k = 0
+        while k < n and a[k] == b[k]:
+            k += 1
+        lcp[i] = k
+    found = set()
+    for i, tokens in enumerate(order):
+        share = max(lcp[i], lcp[i + 1] if i + 1 < len(order) else 0)
+        share = min(share, len(tokens) - 1)  # the last token is forwarded by the query itself
+        if share >= min_gain and share - cached_length(tokens[:share]) >= min_gain:
+            found.add(tokens[:share])
+    return sorted(found)
