@@ -147,3 +147,22 @@ async def test_sampling_follows_the_distribution(tiny_lm):
     freq = sum(d[0] == top for d in draws) / n
     p = float(probs[top])
     assert abs(freq - p) <= 4 * math.sqrt(p * (1 - p) / n) + 1e-3
+
+
+async def test_cache_kv_pins_a_prompt_against_eviction(tiny_hf, gpt2_tok):
+    per_token = 2 * 2 * 64 * 4
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, kv_budget_bytes=40 * per_token, row_cache_size=0)
+    try:
+        prompt = list(range(300, 330))
+        lm.cache_kv(prompt)
+        for i in range(20):  # other contexts push the budget
+            await lm.next_token_logprobs([i + 1] * 15)
+        assert lm.cache_info()["evictions"] > 0
+        before = lm.cache_info()["tokens_forwarded"]
+        row = await lm.next_token_logprobs(prompt + [5])
+        assert lm.cache_info()["tokens_forwarded"] - before == 1  # the pinned prompt survived
+        assert float((row - lm.next_token_logprobs_uncached(prompt + [5])).abs().max()) <= 1e-5
+        lm.clear_kv_cache()  # unpins
+        assert lm.cache_info()["kv_bytes"] == 0
+    finally:
+        await lm.aclose()

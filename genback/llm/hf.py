@@ -253,10 +253,12 @@ class AsyncTransformer(AsyncLM):
             if bool(mask.all()):
                 self._hot = ({p.query.tokens: i for i, p in enumerate(group)},
                              [(layer.keys, layer.values) for layer in layers])
-            new_kv = torch.stack([
-                torch.stack((layer.keys[:, :, max_past:], layer.values[:, :, max_past:]))
-                for layer in layers
-            ])  # [layers, 2, n, heads, max_new, dim]
+            k0 = layers[0].keys
+            new_kv = torch.empty((len(layers), 2, n, k0.shape[1], max_new, k0.shape[3]),
+                                 dtype=k0.dtype, device=k0.device)
+            for j, layer in enumerate(layers):  # the new tokens' KV, one copy
+                new_kv[j, 0].copy_(layer.keys[:, :, max_past:])
+                new_kv[j, 1].copy_(layer.values[:, :, max_past:])
             for i, p in enumerate(group):
                 m = new_lens[i]
                 p.new_kv = new_kv[:, :, i, :, :m]
