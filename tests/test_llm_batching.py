@@ -71,40 +71,51 @@ async def test_window_is_measured_from_the_first_query(tiny_hf, gpt2_tok):
         await lm.aclose()
 
 
+async def _tick(gaps: list, stop: asyncio.Event) -> None:
+    last = time.perf_counter()
+    while not stop.is_set():
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+
+
+def _p99(gaps: list) -> float:
+    return sorted(gaps)[int(0.99 * (len(gaps) - 1))]
+
+
 async def test_loop_keeps_serving_while_the_model_computes(smol_lm):
     """A 1 ms ticker on the loop keeps ticking while a long (> 0.3 s) forward runs.
 
     On these 2-vCPU VMs the same ticker with an *idle* worker already sees isolated 5-10 ms gaps
-    (timer and vCPU scheduling noise, measured while writing this test), so the bound is on the
-    99th percentile (<= 5 ms) plus a hard cap far below the forward's duration: a forward run on
-    the loop thread would show up as one gap as long as the forward itself.
+    (timer and vCPU scheduling noise; more when other processes load the machine). So the test
+    measures that noise first, with the same ticker and nothing computing, and requires the 99th
+    percentile gap during the forward to stay within 5 ms or the idle 99th percentile plus 2 ms,
+    whichever is larger, and the longest gap to stay far below the forward's duration: a forward
+    run on the loop thread shows up as one gap as long as the forward itself.
     """
     ids = smol_lm.tokenizer.encode("word " * 400)[:400]
-    gaps = []
-    stop = False
+    idle, busy = [], []
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(_tick(idle, stop))
+    await asyncio.sleep(0.4)
+    stop.set()
+    await task
 
-    async def ticker():
-        last = time.perf_counter()
-        while not stop:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.02)
-    gaps.clear()
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(_tick(busy, stop))
+    await asyncio.sleep(0.01)
+    busy.clear()
     t0 = time.perf_counter()
     await smol_lm.next_token_logprobs(ids)
     forward_time = time.perf_counter() - t0
-    stop = True
+    stop.set()
     await task
     assert forward_time > 0.3  # the forward really was long enough to matter
-    gaps.sort()
-    p99 = gaps[int(0.99 * (len(gaps) - 1))]
-    assert len(gaps) >= forward_time / 0.005  # it ticked throughout
-    assert p99 <= 0.005, f"99th percentile gap {p99 * 1000:.1f} ms"
-    assert gaps[-1] <= min(0.05, forward_time / 10), f"max gap {gaps[-1] * 1000:.1f} ms"
+    assert len(busy) >= forward_time / 0.01  # it ticked throughout
+    bound = max(0.005, _p99(idle) + 0.002)
+    assert _p99(busy) <= bound, f"p99 gap {_p99(busy) * 1e3:.1f} ms (idle p99 {_p99(idle) * 1e3:.1f} ms)"
+    assert max(busy) <= min(0.05, forward_time / 10), f"max gap {max(busy) * 1e3:.1f} ms"
 
 
 def test_one_model_serves_successive_event_loops(tiny_hf, gpt2_tok):
