@@ -8,6 +8,7 @@ checks, the output cache, auto-batching, sync wrappers, sampling, statistics —
 from __future__ import annotations
 
 import asyncio
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -278,8 +279,8 @@ class AsyncLM:
         ``seed``: None, one int (prompt ``i`` uses ``seed + i``), or a list with one seed per prompt.
         """
         prompts = self._check_list(prompt_token_ids_list, "prompt_token_ids_list")
-        if seed is None or isinstance(seed, int):
-            seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        if seed is None or isinstance(seed, numbers.Integral):
+            seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
         else:
             seeds = list(seed)
             if len(seeds) != len(prompts):

@@ -1,9 +1,10 @@
 """``TokenCharacterTrie``: vocabulary-wide sums and maxes at every byte prefix, on the CPU.
 
 Every node's tokens are one contiguous slice of the words in lexicographic order (see
-``genback.trie.build``), so all node values are one segmented reduction over the weights permuted
-into that order: ``np.add.reduceat`` / ``np.maximum.reduceat`` over each distinct slice (a chain of
-single-child nodes shares one slice), then one gather to all nodes. Accumulation is float64.
+``genback.trie.build``), so all node values are range reductions over the weights permuted into
+that order. Sums and maxes read each distinct slice (a chain of single-child nodes shares one) as
+a few aligned power-of-two blocks of a segment tree (``genback.trie.blocks``); log-sum-exp
+combines children level by level with a max shift (``genback.trie.plan``). Accumulation is float64.
 
 Public attributes keep genlm-backend 0.3.1's meaning (its clients, e.g. genlm-control, read them):
 
@@ -30,8 +31,10 @@ from functools import cached_property
 import numpy as np
 
 from ..tokenization.token import Token
+from .blocks import make_block_plan, run_block_plan
 from .build import build_layout
-from .weights import as_weight_matrix, segment_logsumexp
+from .plan import make_plan, run_plan
+from .weights import as_weight_matrix
 
 __all__ = ["TokenCharacterTrie"]
 
@@ -72,29 +75,34 @@ class TokenCharacterTrie:
         self.token_id_to_leaf = lay.leaf_of_item
         self.idx_to_leaf = np.stack([np.arange(len(decode)), lay.leaf_of_item], axis=1)
         self.ordering = np.arange(lay.num_nodes - 1, -1, -1)  # children before parents
-        # Distinct [start, end) slices; node n's value is slice_value[node_slice[n]].
-        span_key = lay.start * (lay.num_items + 1) + lay.end
-        uniq, inv = np.unique(span_key, return_inverse=True)
-        s, e = np.divmod(uniq, lay.num_items + 1)
-        self._node_slice = inv.reshape(-1)
-        self._slice_start, self._slice_end = s, e
-        # reduceat bounds: pairs (start, end) interleaved; the weights get one pad column at V.
-        self._reduce_idx = np.stack([s, e], axis=1).reshape(-1)
+        self._blocks = make_block_plan(lay)
+
+    @cached_property
+    def _plan(self):
+        """Level-wise plan (``genback.trie.plan``) for log-sum-exp and the torch backend; lazy."""
+        return make_plan(self._layout)
 
     # ----------------------------------------------------------------- structure
     def _check_duplicates(self) -> None:
-        ids = [item.token_id for item in self.decode if isinstance(item, Token)]
+        tokens = [x for x in self.decode if isinstance(x, Token)]
+        ids = [x.token_id for x in tokens]
         if len(ids) != len(set(ids)):
-            seen = set()
+            seen: set = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
             raise ValueError(f"TokenCharacterTrie: duplicate Token id {dup} in decode")
+        if len(tokens) == len(self.decode):
+            return
         lay = self._layout
-        plain = np.fromiter((Token.is_plain_bytes(x) for x in self.decode), bool, len(self.decode))
-        if plain.any():
-            pk = [lay.keys[k] for k in range(lay.num_items) if plain[lay.order[k]]]
-            for a, b in zip(pk, pk[1:]):
-                if a == b:
-                    raise ValueError(f"TokenCharacterTrie: duplicate bytes {bytes(self.decode[lay.order[lay.keys.index(a)]])!r} in decode; use Token objects to keep duplicates")
+        plain = [Token.is_plain_bytes(x) for x in self.decode]
+        prev = None
+        for k in lay.order.tolist():  # equal byte strings are adjacent in leaf order
+            if plain[k]:
+                if prev is not None and self.decode[prev] == self.decode[k]:
+                    raise ValueError(
+                        f"TokenCharacterTrie: duplicate bytes {self.decode[k]!r} in decode "
+                        f"(positions {prev} and {k}); use Token objects to keep duplicates"
+                    )
+                prev = k
         other = [x for x in self.decode if not isinstance(x, bytes)]
         if len(other) != len(set(other)):
             raise ValueError("TokenCharacterTrie: duplicate non-bytes item in decode")
@@ -173,20 +181,14 @@ class TokenCharacterTrie:
         return self._layout.is_leaf
 
     # ----------------------------------------------------------------- reductions
-    def _leaf_order(self, W: np.ndarray, pad: float) -> np.ndarray:
-        """(B, V+1): weights in leaf order plus one pad column (reduceat needs index V)."""
-        out = np.empty((W.shape[0], self.num_tokens + 1), np.float64)
-        np.take(W, self._layout.order, axis=1, out=out[:, :-1])
-        out[:, -1] = pad
-        return out
-
-    def _reduce(self, W, ufunc, name: str, pad: float) -> np.ndarray:
+    def _reduce(self, W: np.ndarray, op: str, name: str) -> np.ndarray:
         if self.num_tokens == 0:
-            return np.full((W.shape[0], 1), 0.0 if ufunc is np.add else -np.inf)
-        leaf_w = self._leaf_order(W, pad)
-        vals = ufunc.reduceat(leaf_w, self._reduce_idx, axis=1)[:, ::2]
-        out = vals[:, self._node_slice]
-        if np.isnan(out[:, 0]).any():  # NaN reaches the root iff ... (inf - inf can too)
+            return np.full((W.shape[0], 1), 0.0 if op == "sum" else -np.inf)
+        if op == "logsumexp":
+            out = run_plan(self._plan, W, op)
+        else:
+            out = run_block_plan(self._blocks, W, op)
+        if np.isnan(out[:, 0]).any():  # a NaN weight always reaches the root (so can inf - inf)
             self._raise_if_nan(W, name)
         return out
 
@@ -212,7 +214,7 @@ class TokenCharacterTrie:
             TypeError / ValueError: bad type, dtype, shape, or a NaN weight.
         """
         W = as_weight_matrix(W, self.num_tokens, "W", batched=True)
-        return self._reduce(W, np.add, "W", 0.0)
+        return self._reduce(W, "sum", "W")
 
     def batch_weight_max(self, W) -> np.ndarray:
         """Max of the weights of all tokens below each node: ``(B, V) -> (B, num_nodes)`` float64.
@@ -220,36 +222,28 @@ class TokenCharacterTrie:
         Correct for negative and ``-inf`` weights (an all ``-inf`` subtree gives ``-inf``).
         """
         W = as_weight_matrix(W, self.num_tokens, "W", batched=True)
-        return self._reduce(W, np.maximum, "W", -np.inf)
+        return self._reduce(W, "max", "W")
 
     def batch_weight_logsumexp(self, W) -> np.ndarray:
         """``log(sum(exp(W[b, i]) for i below n))`` for log weights: ``(B, V) -> (B, num_nodes)`` float64.
 
-        Computed without underflow: each node is reduced with a shift within 300 of its own max
-        (see ``genback.trie.weights.segment_logsumexp``); all ``-inf`` below a node gives ``-inf``;
-        a ``+inf`` weight gives ``+inf``.
+        Children are combined with the usual max shift at every level (``genback.trie.plan``), so
+        nothing underflows; all ``-inf`` below a node gives ``-inf``; a ``+inf`` weight gives ``+inf``.
         """
         W = as_weight_matrix(W, self.num_tokens, "W", batched=True)
-        if self.num_tokens == 0:
-            return np.full((W.shape[0], 1), -np.inf)
-        node_max = self._reduce(W, np.maximum, "W", -np.inf)
-        slice_max = np.empty((W.shape[0], len(self._slice_start)))
-        slice_max[:, self._node_slice] = node_max
-        leaf_w = self._leaf_order(W, -np.inf)
-        vals = segment_logsumexp(leaf_w, self._reduce_idx, slice_max)
-        return vals[:, self._node_slice]
+        return self._reduce(W, "logsumexp", "W")
 
     def weight_sum(self, ws) -> np.ndarray:
         """``batch_weight_sum`` of one row: ``(V,) -> (num_nodes,)`` float64 numpy array."""
-        return self.batch_weight_sum(as_weight_matrix(ws, self.num_tokens, "ws", batched=False))[0]
+        return self._reduce(as_weight_matrix(ws, self.num_tokens, "ws", batched=False), "sum", "ws")[0]
 
     def weight_max(self, ws) -> np.ndarray:
         """``batch_weight_max`` of one row: ``(V,) -> (num_nodes,)`` float64 numpy array."""
-        return self.batch_weight_max(as_weight_matrix(ws, self.num_tokens, "ws", batched=False))[0]
+        return self._reduce(as_weight_matrix(ws, self.num_tokens, "ws", batched=False), "max", "ws")[0]
 
     def weight_logsumexp(self, ws) -> np.ndarray:
         """``batch_weight_logsumexp`` of one row: ``(V,) -> (num_nodes,)`` float64 numpy array."""
-        return self.batch_weight_logsumexp(as_weight_matrix(ws, self.num_tokens, "ws", batched=False))[0]
+        return self._reduce(as_weight_matrix(ws, self.num_tokens, "ws", batched=False), "logsumexp", "ws")[0]
 
     # ----------------------------------------------------------------- display
     def visualize(self, ws=None, prefix=b"", max_nodes: int = 200):

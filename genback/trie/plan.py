@@ -11,6 +11,10 @@ Segment ids: ``0..V-1`` are the single-word segments in leaf order (so the leaf 
 ``np.take``), inner segments follow. Values are laid out ``(U, B)`` so every reduction runs over
 contiguous rows of a batch.
 
+The deepest levels hold few, small segments (runs of whitespace tokens make the segment tree up
+to ~50 levels deep); they are computed directly from the leaf weights by one interleaved
+``reduceat`` over their ``[start, end)`` bounds, which saves a few numpy calls per level.
+
 Log-sum-exp combines children exactly: ``m + log(sum(exp(c - m)))`` with ``m`` the children's max
 (the standard shift; no underflow at any level, ``-inf`` children contribute 0).
 """
@@ -23,22 +27,27 @@ import numpy as np
 
 from .build import TrieLayout
 
-__all__ = ["ReductionPlan", "make_plan"]
+__all__ = ["ReductionPlan", "make_plan", "run_plan"]
 
 
 @dataclass
 class ReductionPlan:
     num_items: int
     num_segments: int
-    order: np.ndarray  # (V,) item index of leaf-order word k (segment k)
+    order: np.ndarray  # (V,) item index of leaf-order word k (= segment k)
     node_segment: np.ndarray  # (N,) segment of each node
-    levels: list  # deepest first: (parents (P,), children (C,), group offsets (P,), counts (P,))
+    levels: list  # all levels, deepest first: (parents (P,), children (C,), offsets (P,), counts (P,))
+    fast_levels: list  # the levels left after the direct part
+    direct_ids: np.ndarray  # (D,) segments computed straight from leaf weights
+    direct_bounds: np.ndarray  # (2D,) interleaved start, end of those segments
     seg_start: np.ndarray  # (U,)
     seg_end: np.ndarray  # (U,)
 
 
-def make_plan(lay: TrieLayout) -> ReductionPlan:
-    V, N = lay.num_items, lay.num_nodes
+def make_plan(lay: TrieLayout, direct_budget: float = 0.25) -> ReductionPlan:
+    """Reduction plan of a layout. ``direct_budget``: the deepest levels are computed directly
+    while their segments' total length stays below ``direct_budget * V``."""
+    V = lay.num_items
     stride = V + 1
     # pre-order key of a segment: start ascending, end descending (containing segments first)
     key = lay.start * stride + (V - lay.end)
@@ -63,21 +72,14 @@ def make_plan(lay: TrieLayout) -> ReductionPlan:
     diff = cs != ps
     seg_parent = np.full(U, -1, np.int64)
     seg_parent[cs[diff]] = ps[diff]
-    # depth in the segment tree, by pointer jumping (O(U log depth))
+    # depth in the segment tree: one climb step per round (rounds = tree height)
     depth = np.zeros(U, np.int64)
     anc = seg_parent.copy()
-    hop = np.ones(U, np.int64)
-    has = anc >= 0
-    depth[has] = 1
-    while True:
-        more = has & (anc >= 0)
-        more[more] = seg_parent[anc[more]] >= 0
-        if not more.any():
-            break
-        # jump: depth += depth-so-far of ancestor chain (simple iterative climb, one hop per round)
-        idx = np.flatnonzero(more)
-        anc[idx] = seg_parent[anc[idx]]
-        depth[idx] += 1
+    active = np.flatnonzero(anc >= 0)
+    while len(active):
+        depth[active] += 1
+        anc[active] = seg_parent[anc[active]]
+        active = active[anc[active] >= 0]
     levels = []
     kids = np.flatnonzero(seg_parent >= 0)
     if len(kids):
@@ -93,31 +95,46 @@ def make_plan(lay: TrieLayout) -> ReductionPlan:
             offsets = np.flatnonzero(first)
             counts = np.diff(np.r_[offsets, len(pa)])
             levels.append((pa[first], ch, offsets, counts))
-    return ReductionPlan(V, U, lay.order, node_segment, levels, seg_start, seg_end)
+    n_direct, used = 0, 0
+    for parents, _, _, _ in levels[:-1]:  # the root level always runs level-wise
+        cost = int((seg_end[parents] - seg_start[parents]).sum())
+        if used + cost > direct_budget * V:
+            break
+        used += cost
+        n_direct += 1
+    direct_ids = np.concatenate([lv[0] for lv in levels[:n_direct]] or [np.zeros(0, np.int64)])
+    direct_ids = direct_ids[np.argsort(seg_start[direct_ids] * stride + (V - seg_end[direct_ids]), kind="stable")]
+    bounds = np.stack([seg_start[direct_ids], seg_end[direct_ids]], axis=1).reshape(-1)
+    return ReductionPlan(V, U, lay.order, node_segment, levels, levels[n_direct:], direct_ids, bounds,
+                         seg_start, seg_end)
 
 
-def run_plan(plan: ReductionPlan, W: np.ndarray, op: str) -> np.ndarray:
-    """Node values for weights ``W`` of shape ``(B, V)`` float64 -> ``(B, N)`` float64.
+def run_plan(plan: ReductionPlan, W: np.ndarray, op: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Node values for float64 weights ``W`` ``(B, V)`` -> float64 ``(B, N)`` (written to ``out``).
 
-    ``op`` is ``"sum"``, ``"max"`` or ``"logsumexp"``.
+    ``op`` is ``"sum"``, ``"max"`` or ``"logsumexp"``. Rows are processed one at a time with one
+    ``(U,)`` work buffer, so memory is O(U) beyond the output.
     """
-    B = W.shape[0]
-    vals = np.empty((plan.num_segments, B), np.float64)
-    if B == 1:
-        np.take(W[0], plan.order, out=vals[: plan.num_items, 0])
-    else:
-        vals[: plan.num_items] = np.take(W, plan.order, axis=1).T
-    if op == "sum" or op == "max":
-        ufunc = np.add if op == "sum" else np.maximum
-        for parents, children, offsets, _ in plan.levels:
-            vals[parents] = ufunc.reduceat(vals[children], offsets, axis=0)
-    else:
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            for parents, children, offsets, counts in plan.levels:
-                cv = vals[children]
-                m = np.maximum.reduceat(cv, offsets, axis=0)
-                m[~np.isfinite(m)] = 0.0  # all -inf (or +inf) children: shift by 0
-                sh = np.exp(cv - np.repeat(m, counts, axis=0))
-                vals[parents] = m + np.log(np.add.reduceat(sh, offsets, axis=0))
-    out = np.take(vals, plan.node_segment, axis=0)
-    return out.T if B == 1 else np.ascontiguousarray(out.T)
+    B, V = W.shape[0], plan.num_items
+    if out is None:
+        out = np.empty((B, len(plan.node_segment)), np.float64)
+    vals = np.empty(max(plan.num_segments, V + 1), np.float64)
+    lse = op == "logsumexp"
+    ufunc = np.add if op == "sum" else np.maximum
+    for b in range(B):
+        np.take(W[b], plan.order, out=vals[:V], mode="clip")  # clip: ~2x faster than raise
+        if lse:
+            with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                for parents, children, offsets, counts in plan.levels:
+                    cv = np.take(vals, children, mode="clip")
+                    m = np.maximum.reduceat(cv, offsets)
+                    m[~np.isfinite(m)] = 0.0  # all -inf (or a +inf) below: shift by 0
+                    sh = np.exp(cv - np.repeat(m, counts))
+                    vals[parents] = m + np.log(np.add.reduceat(sh, offsets))
+        else:
+            if len(plan.direct_ids):
+                vals[plan.direct_ids] = ufunc.reduceat(vals[: V + 1], plan.direct_bounds)[::2]
+            for parents, children, offsets, _ in plan.fast_levels:
+                vals[parents] = ufunc.reduceat(vals[children], offsets)
+        np.take(vals, plan.node_segment, out=out[b], mode="clip")
+    return out

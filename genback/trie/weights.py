@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["as_weight_matrix", "check_weight_dtype", "segment_logsumexp", "LSE_BUCKET"]
-
-#: log-space bucket width: nodes whose max lies in one bucket share the shift ``600 q + 300``,
-#: so every shifted term is at most e^300 and the largest is at least e^-300 (no overflow, no
-#: underflow in float64, whose normal range is e^±708).
-LSE_BUCKET = 600.0
-
+__all__ = ["as_weight_matrix", "check_weight_dtype"]
 
 def check_weight_dtype(kind: str, dtype, name: str, where: str) -> None:
     """Reject dtypes that are not real numbers (``kind`` is numpy's dtype kind letter)."""
@@ -66,33 +60,3 @@ def as_weight_matrix(x, V: int, name: str, batched: bool, where: str = "TokenCha
     if x.shape[-1] != V:
         raise ValueError(f"{where}: {name} must have shape {want} (V = len(decode) = {V}), got shape {x.shape}")
     return np.ascontiguousarray(x.reshape(-1, V), dtype=np.float64)
-
-
-def segment_logsumexp(leaf_w: np.ndarray, reduce_idx: np.ndarray, seg_max: np.ndarray) -> np.ndarray:
-    """Log-sum-exp of every segment, exact to float64 rounding for any range of log weights.
-
-    Args:
-        leaf_w: ``(B, V+1)`` float64 log weights in leaf order (last column ``-inf`` padding).
-        reduce_idx: ``(2U,)`` interleaved ``start, end`` bounds of the ``U`` segments.
-        seg_max: ``(B, U)`` max of each segment (``weight_max`` of the segment).
-
-    Returns:
-        ``(B, U)`` float64: ``seg_max`` where it is ``±inf``, else
-        ``c + log(sum(exp(w - c)))`` with ``c = 600·floor(seg_max/600) + 300`` (``LSE_BUCKET``).
-    """
-    out = seg_max.copy()
-    finite = np.isfinite(seg_max)
-    if not finite.any():
-        return out
-    bucket = np.zeros(seg_max.shape, np.int64)
-    bucket[finite] = np.floor(seg_max[finite] / LSE_BUCKET).astype(np.int64)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
-        for q in np.unique(bucket[finite]):
-            c = LSE_BUCKET * q + LSE_BUCKET / 2
-            rows = np.flatnonzero((finite & (bucket == q)).any(axis=1))
-            shifted = np.exp(leaf_w[rows] - c)
-            sums = np.add.reduceat(shifted, reduce_idx, axis=1)[:, ::2]
-            sel = finite[rows] & (bucket[rows] == q)
-            r, u = np.nonzero(sel)
-            out[rows[r], u] = c + np.log(sums[r, u])
-    return out
