@@ -296,7 +296,9 @@ class AsyncLM:
         """Counters: ``queries`` (calls answered), ``tokens_queried`` (their context lengths),
         ``row_hits`` (answered from the output cache), ``batches``, ``batched_queries`` (distinct
         queries those batches computed), ``rows_cached``; backends add
-        ``forwards``, ``tokens_forwarded``, ``kv_bytes``, ``kv_nodes``, ``evictions``."""
+        ``forwards``, ``tokens_forwarded``, ``kv_bytes``, ``kv_nodes``, ``evictions`` (AsyncTransformer
+        also ``padded_tokens_forwarded``, ``kv_budget_bytes`` and ``hot_kv_bytes``: the previous
+        forward's KV, kept outside the budget for the next lockstep batch)."""
         return {
             "queries": self._queries,
             "tokens_queried": self._tokens_queried,

@@ -119,6 +119,9 @@ class AsyncTransformer(AsyncLM):
                 kv_bytes=self._tree.bytes_held,
                 kv_budget_bytes=self._tree.budget_bytes,
                 kv_nodes=len(self._tree),
+                # the last unpadded forward's whole KV, kept for the next lockstep batch
+                hot_kv_bytes=0 if self._hot is None else sum(
+                    k.numel() * k.element_size() * 2 for k, _ in self._hot[1]),
                 evictions=self._tree.evictions,
             )
         return info
