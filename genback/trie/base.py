@@ -26,6 +26,7 @@ access (hundreds of ms for a 262k vocabulary); the reductions never need them.
 from __future__ import annotations
 
 import bisect
+import operator
 from functools import cached_property
 
 import numpy as np
@@ -37,6 +38,8 @@ from .plan import make_plan, run_plan
 from .weights import as_weight_matrix
 
 __all__ = ["TokenCharacterTrie"]
+
+_token_id = operator.attrgetter("token_id")
 
 
 class TokenCharacterTrie:
@@ -84,6 +87,13 @@ class TokenCharacterTrie:
 
     # ----------------------------------------------------------------- structure
     def _check_duplicates(self) -> None:
+        if set(map(type, self.decode)) == {Token}:  # fast path: only ids can repeat
+            ids = list(map(_token_id, self.decode))
+            if len(ids) != len(set(ids)):
+                seen: set = set()
+                dup = next(i for i in ids if i in seen or seen.add(i))
+                raise ValueError(f"TokenCharacterTrie: duplicate Token id {dup} in decode")
+            return
         tokens = [x for x in self.decode if isinstance(x, Token)]
         ids = [x.token_id for x in tokens]
         if len(ids) != len(set(ids)):

@@ -11,7 +11,11 @@ before its siblings' subtrees, as the empty continuation sorts first), so:
 Construction (no per-byte Python loop):
 
 1. ``order`` = stable sort of the items by their letter sequences; ``lcp[k]`` = longest common
-   prefix of sorted words ``k-1`` and ``k`` (vectorised over a padded byte matrix).
+   prefix of sorted words ``k-1`` and ``k``. For ``bytes`` / ``Token`` items (the usual case) both
+   are integer work on the words' bytes read 8 at a time as big-endian ``uint64`` from one packed
+   buffer: an integer argsort of the first 8 bytes, a Python sort of only the items tied on
+   them, and LCP passes of 8 bytes (XOR, first non-zero byte); the sorted ``keys`` list is built
+   only when ``lookup`` first needs it. Other items go through a padded letter matrix.
 2. Word ``k`` creates the nodes at depths ``lcp[k]+1 .. len_k`` ("forward" enumeration, which is
    the pre-order) and closes the nodes at depths ``lcp[k+1]+1 .. len_k`` ("backward" enumeration).
    Ranked by (depth, word) both enumerations list the same nodes in the same order, which pairs
@@ -52,7 +56,7 @@ class TrieLayout:
     end: np.ndarray  # (N,) one past the last leaf-order word below the node
     is_leaf: np.ndarray  # (N,) bool
     item_of_node: np.ndarray  # (N,) item index of a leaf, -1 for inner nodes
-    keys: list  # (V,) sorted encoded words (bytes), width bytes per letter
+    _keys: object  # list of sorted encoded words, or a function returning it (built on first use)
     width: int  # 1 (all items are bytes) or 2 (symbol letters present)
     symbols: list = field(default_factory=list)  # symbol code 256 + j -> letter object
     # lookup support: inner nodes sorted by (depth, first word)
@@ -62,6 +66,13 @@ class TrieLayout:
     @property
     def num_nodes(self) -> int:
         return len(self.parent)
+
+    @property
+    def keys(self) -> list:
+        """(V,) sorted encoded words (plain ``bytes``, ``width`` bytes per letter); built on first use."""
+        if callable(self._keys):
+            self._keys = self._keys()
+        return self._keys
 
     def decode_letter(self, code: int):
         """Letter object for a letter code (an int byte, or the original symbol object)."""
@@ -191,6 +202,79 @@ def _lcp(keys: list, width: int, mat: np.ndarray, lengths: np.ndarray) -> np.nda
     return lcp
 
 
+_BYTE_MASKS = np.array([0] + [((1 << (8 * k)) - 1) << (64 - 8 * k) for k in range(1, 9)], dtype=np.uint64)
+
+
+class _ByteWords:
+    """Words (bytes) packed in one buffer, read 8 bytes at a time as big-endian ``uint64``.
+
+    ``chunk(k, c)`` = bytes ``[8c, 8c + 8)`` of words ``k`` (an index array), zero-padded past the
+    word's end. Zero padding orders a word before its extensions, so comparing chunks is
+    lexicographic byte order except that ``b"a"`` and ``b"a\\x00"`` tie (ties are settled by the
+    callers with the lengths or the real bytes).
+    """
+
+    def __init__(self, decode):
+        blob = b"".join(decode)
+        self.lengths = np.fromiter(map(len, decode), np.int64, len(decode))
+        self.offsets = np.cumsum(self.lengths) - self.lengths
+        self.flat = np.zeros(len(blob) + 8, np.uint8)
+        self.flat[: len(blob)] = np.frombuffer(blob, np.uint8)
+        # window[i] = the 8 bytes starting at byte i (unaligned strided view, no copy)
+        self.window = np.ndarray((len(blob) + 1,), dtype=">u8", buffer=self.flat, strides=(1,))
+        self.size = len(blob)
+
+    def chunk(self, k: np.ndarray, c: int) -> np.ndarray:
+        rem = np.clip(self.lengths[k] - 8 * c, 0, 8)
+        x = self.window[np.minimum(self.offsets[k] + 8 * c, self.size)].astype(np.uint64)
+        return x & _BYTE_MASKS[rem]
+
+
+def _sort_bytes(words: _ByteWords, decode) -> np.ndarray:
+    """Stable lexicographic argsort of byte words: one integer sort on the first 8 bytes, then a
+    Python sort of only the items whose first 8 bytes tie with a neighbour's."""
+    V = len(decode)
+    k0 = words.chunk(np.arange(V), 0)
+    order = np.argsort(k0)
+    sk = k0[order]
+    eq = sk[1:] == sk[:-1]
+    tie = np.zeros(V, bool)
+    tie[1:] |= eq
+    tie[:-1] |= eq
+    pos = np.flatnonzero(tie)
+    if len(pos):
+        # tied items occupy runs of positions in k0 order; sorting all of them by (bytes, index)
+        # and writing them back in position order keeps every run in place
+        items = np.sort(order[pos]).tolist()
+        plain = [bytes(decode[i]) for i in items]
+        ranked = sorted(range(len(items)), key=plain.__getitem__)
+        order[pos] = np.asarray(items, np.int64)[ranked]
+    return order
+
+
+def _lcp_bytes(words: _ByteWords, order: np.ndarray) -> np.ndarray:
+    """lcp[k] = common prefix (bytes) of sorted words k-1 and k; lcp[0] = 0. 8 bytes per pass."""
+    V = len(order)
+    L = words.lengths[order]
+    lcp = np.zeros(V, np.int64)
+    active = np.arange(1, V)
+    c = 0
+    while len(active):
+        a, b = order[active], order[active - 1]
+        x = words.chunk(a, c) ^ words.chunk(b, c)
+        diff = x != 0
+        if diff.any():
+            d = active[diff]
+            first = (x[diff].astype(">u8").view(np.uint8).reshape(-1, 8) != 0).argmax(axis=1)
+            lcp[d] = 8 * c + first
+        same = active[~diff]
+        lcp[same] = 8 * (c + 1)
+        active = same[np.minimum(L[same], L[same - 1]) > 8 * (c + 1)]
+        c += 1
+    lcp[1:] = np.minimum(lcp[1:], np.minimum(L[1:], L[:-1]))
+    return lcp
+
+
 def _ranks_by_depth(owner: np.ndarray, depth: np.ndarray) -> np.ndarray:
     """Permutation sorting (depth, owner) lexicographically; owner is already non-decreasing.
 
@@ -204,17 +288,29 @@ def _ranks_by_depth(owner: np.ndarray, depth: np.ndarray) -> np.ndarray:
 def build_layout(decode) -> TrieLayout:
     """Build the ``TrieLayout`` of a list of vocabulary items (see the module docstring)."""
     V = len(decode)
-    keys, width, symbols = _encode_items(decode)
-    order = np.asarray(sorted(range(V), key=keys.__getitem__), dtype=np.int64)
-    skeys = [keys[i] for i in order.tolist()]
     if V == 0:
         z = np.zeros(1, np.int64)
         return TrieLayout(0, np.zeros(0, np.int64), np.zeros(0, np.int64), np.array([-1]), z, np.array([-1]),
-                          z, z.copy(), np.zeros(1, bool), np.array([-1]), [], width, symbols,
+                          z, z.copy(), np.zeros(1, bool), np.array([-1]), [], 1, [],
                           np.zeros(0, np.int64), np.zeros(0, np.int64))
-    maxlen = max(map(len, skeys)) // width
-    mat, L, flat, offsets = _letters_matrix(skeys, width, max(1, min(maxlen, _LCP_WIDTH)))
-    lcp_prev = _lcp(skeys, width, mat, L)
+    if all(issubclass(t, bytes) for t in set(map(type, decode))):
+        # fast path (Token / bytes items): integer sort and 8-byte LCP passes, keys built lazily
+        width, symbols = 1, []
+        words = _ByteWords(decode)
+        order = _sort_bytes(words, decode)
+        lcp_prev = _lcp_bytes(words, order)
+        L, flat, offsets = words.lengths[order], words.flat, words.offsets[order]
+        order_list = order.tolist()
+
+        def skeys():
+            return [bytes(decode[i]) for i in order_list]
+    else:
+        keys, width, symbols = _encode_items(decode)
+        order = np.asarray(sorted(range(V), key=keys.__getitem__), dtype=np.int64)
+        skeys = [keys[i] for i in order.tolist()]
+        maxlen = max(map(len, skeys)) // width
+        mat, L, flat, offsets = _letters_matrix(skeys, width, max(1, min(maxlen, _LCP_WIDTH)))
+        lcp_prev = _lcp(skeys, width, mat, L)
     lcp_next = np.append(lcp_prev[1:], 0)
 
     # Inner nodes, forward enumeration (= pre-order): word k creates depths lcp_prev[k]+1 .. L[k].
@@ -288,6 +384,6 @@ def build_layout(decode) -> TrieLayout:
     return TrieLayout(
         num_items=V, order=order, leaf_of_item=leaf_of_item, parent=parent, depth=depth,
         letter=letter, start=start, end=end, is_leaf=is_leaf, item_of_node=item_of_node,
-        keys=skeys, width=width, symbols=symbols,
+        _keys=skeys, width=width, symbols=symbols,
         inner_key_sorted=inner_key_sorted, inner_node_sorted=inner_node_sorted,
     )
