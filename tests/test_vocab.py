@@ -13,12 +13,31 @@ from genback.tokenization import PAD_TEMPLATE, Token, bytes_to_unicode, decode_v
 NAMES = ["gpt2", "smollm2", "gemma3"]
 
 
+def _load(name):
+    tok = F.LOADERS[name]()
+    if tok is None:
+        pytest.skip(F.MISSING[name])
+    return name, tok, F.byte_vocab(name)
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def tok_and_vocab(request):
-    tok = F.LOADERS[request.param]()
-    if tok is None:
-        pytest.skip(F.MISSING[request.param])
-    return request.param, tok, F.byte_vocab(request.param)
+    return _load(request.param)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _load("gpt2")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return _load("smollm2")
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    return _load("gemma3")
 
 
 def test_byte_to_unicode_table_is_a_bijection_of_printables():
@@ -56,18 +75,14 @@ def test_known_tokens(tok_and_vocab):
         assert vocab[tid].byte_string == want
 
 
-def test_gpt2_hello_world_ids(tok_and_vocab):
-    name, tok, vocab = tok_and_vocab
-    if name != "gpt2":
-        pytest.skip("GPT-2 specific")
+def test_gpt2_hello_world_ids(gpt2):
+    name, tok, vocab = gpt2
     assert tok.encode("Hello world") == [15496, 995]
     assert vocab[15496] == b"Hello" and vocab[995] == b" world"
 
 
-def test_gemma_duplicates_stay_distinct(tok_and_vocab):
-    name, tok, vocab = tok_and_vocab
-    if name != "gemma3":
-        pytest.skip("Gemma specific")
+def test_gemma_duplicates_stay_distinct(gemma3):
+    name, tok, vocab = gemma3
     counts = collections.Counter(t.byte_string for t in vocab)
     dups = {b: c for b, c in counts.items() if c > 1}
     assert len(dups) == 110 and all(c == 2 for c in dups.values())
@@ -116,10 +131,8 @@ def test_roundtrip_property(tok_and_vocab, parts):
     assert b"".join(vocab[i] for i in ids) == text.encode()
 
 
-def test_smollm2_missing_bytes_are_dropped_by_the_tokenizer_itself(tok_and_vocab):
-    name, tok, vocab = tok_and_vocab
-    if name != "smollm2":
-        pytest.skip("SmolLM2 specific")
+def test_smollm2_missing_bytes_are_dropped_by_the_tokenizer_itself(smollm2):
+    name, tok, vocab = smollm2
     singles = {t.byte_string for t in vocab if len(t.byte_string) == 1}
     assert 0xF1 not in {b[0] for b in singles}
     ids = tok.encode("\U00040000", add_special_tokens=False)
@@ -127,10 +140,8 @@ def test_smollm2_missing_bytes_are_dropped_by_the_tokenizer_itself(tok_and_vocab
     assert tok.decode(ids) != "\U00040000"
 
 
-def test_padding_and_truncation(tok_and_vocab):
-    name, tok, vocab = tok_and_vocab
-    if name != "gpt2":
-        pytest.skip("one tokenizer is enough")
+def test_padding_and_truncation(gpt2):
+    name, tok, vocab = gpt2
     padded, strs = decode_vocab(tok, vocab_size=50260)
     assert len(padded) == len(strs) == 50260
     assert [t.byte_string for t in padded[-3:]] == [PAD_TEMPLATE % i for i in (50257, 50258, 50259)]
@@ -142,10 +153,8 @@ def test_padding_and_truncation(tok_and_vocab):
         get_byte_vocab(tok, vocab_size="50260")
 
 
-def test_str_vocab_fallbacks(tok_and_vocab):
-    name, tok, vocab = tok_and_vocab
-    if name != "gpt2":
-        pytest.skip("one tokenizer is enough")
+def test_str_vocab_fallbacks(gpt2):
+    name, tok, vocab = gpt2
     bad = next(t for t in vocab if not _utf8(t.byte_string))
     tid = bad.token_id
     assert decode_vocab(tok, "tokenizer")[1][tid] == tok.convert_ids_to_tokens(tid)
