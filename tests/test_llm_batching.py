@@ -45,6 +45,22 @@ async def test_gather_of_64_distinct_queries_uses_at_most_ceil_64_over_cap_forwa
         await lm.aclose()
 
 
+async def test_nested_shared_prefixes_in_one_batch_are_forwarded_once(tiny_hf, gpt2_tok):
+    """Four contexts share a 20-token prompt and two of them a further 10 tokens: the prompt and
+    the 10 tokens are each forwarded once, then every context forwards only its own last token."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    prompt, mid = list(range(100, 120)), list(range(200, 210))
+    contexts = [prompt + mid + [1], prompt + mid + [2], prompt + [3], prompt + [4]]
+    try:
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        assert lm.cache_info()["batches"] == 1
+        assert lm.cache_info()["tokens_forwarded"] == len(prompt) + len(mid) + len(contexts)
+        for c, row in zip(contexts, rows):
+            torch.testing.assert_close(row, lm.next_token_logprobs_uncached(c), rtol=0, atol=1e-5)
+    finally:
+        await lm.aclose()
+
+
 async def test_identical_contexts_in_a_batch_are_computed_once(tiny_lm):
     rows = await asyncio.gather(*(tiny_lm.next_token_logprobs([4, 5, 6]) for _ in range(10)))
     assert tiny_lm.cache_info()["tokens_forwarded"] == 3

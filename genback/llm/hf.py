@@ -176,8 +176,10 @@ class AsyncTransformer(AsyncLM):
 
     def _compute(self, queries: list[Query]) -> list[torch.Tensor]:
         shared = _shared_prefixes([q.tokens for q in queries], self._cached_length)
-        if shared:  # prefill prefixes that several queries share but nobody has cached, once
-            self._run([Query(prefix, ()) for prefix in shared])
+        # prefill prefixes that several queries share but nobody has cached, once each; nested
+        # prefixes go in rounds, shortest first, so a longer one reuses the shorter one's KV
+        for level in _nesting_levels(shared):
+            self._run([Query(prefix, ()) for prefix in level])
         return self._run(queries)
 
     def _cached_length(self, tokens) -> int:
@@ -371,3 +373,18 @@ def _shared_prefixes(contexts: list[tuple[int, ...]], cached_length, min_gain: i
         if share >= min_gain and share - cached_length(tokens[:share]) >= min_gain:
             found.add(tokens[:share])
     return sorted(found)
+
+
+def _nesting_levels(prefixes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Split sorted, distinct ``prefixes`` into levels: level k holds those with exactly k proper
+    prefixes among the others (a prefix sorts before its extensions, so one stack pass does it)."""
+    levels: list[list[tuple[int, ...]]] = []
+    stack: list[tuple[int, ...]] = []
+    for p in prefixes:
+        while stack and p[: len(stack[-1])] != stack[-1]:
+            stack.pop()
+        if len(stack) == len(levels):
+            levels.append([])
+        levels[len(stack)].append(p)
+        stack.append(p)
+    return levels
