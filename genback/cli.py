@@ -1,4 +1,4 @@
-"""The ``genback`` command line: ``models``, ``logprobs``, ``chars``, ``sample``.
+"""The ``genback`` command line: ``models``, ``logprobs``, ``chars``, ``sample``, ``eval``.
 
 Everything runs offline on the embedded default model unless ``--model`` names another.
 """
@@ -162,6 +162,41 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from .engine import GenbackEngine
+    from .engine.tasks import load_task, run_task, write_records
+
+    try:
+        kind, rows = load_task(args.task_file, kind=args.kind, limit=args.limit)
+    except (OSError, ValueError) as exc:
+        print(f"genback eval: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"task {args.task_file}: {kind}, {len(rows)} lines", file=sys.stderr, flush=True)
+    print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, flush=True)
+    engine = GenbackEngine(backend=args.backend, max_length=args.max_length)
+    with engine.build(args.model) as session:
+        start = time.perf_counter()
+        summary, records = run_task(session, kind, rows, max_new_tokens=args.max_new_tokens,
+                                    progress=not args.no_progress)
+        wall = time.perf_counter() - start
+        info = session.lm.cache_info()
+    print(f"results: {args.task_file} ({kind}) on {args.model} [{args.backend}]")
+    for key, value in summary.items():
+        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        print(f"  {key:<18} {text}")
+    print(f"  {'wall_s':<18} {wall:.2f} (model load excluded)")
+    if "tokens_forwarded" in info:
+        print(f"  {'tokens_forwarded':<18} {info['tokens_forwarded']} "
+              f"(tokens in all queries {info['tokens_queried']})")
+    if args.output:
+        write_records(args.output, summary, records)
+        print(f"  per-line records written to {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="genback", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -169,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_opts(p):
         p.add_argument("--model", default=DEFAULT_MODEL,
                        help=f"embedded alias, local HF folder or Hub id (default {DEFAULT_MODEL})")
-        p.add_argument("--backend", default="hf", choices=["hf", "mock"],
+        p.add_argument("--backend", default="hf", choices=["hf", "vllm", "mock"],
                        help="model backend (default hf)")
         p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
 
@@ -190,10 +225,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="particle i uses seed + i (default 0)")
     model_opts(p)
+    p = sub.add_parser("eval", help="run a multiple-choice, perplexity or generation task from a JSONL file")
+    p.add_argument("task_file", help="JSONL task (formats: see genback.engine.tasks)")
+    p.add_argument("--kind", choices=["multiple_choice", "perplexity", "generation"],
+                   help="task kind (default: from the keys of the lines)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N lines")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="generation: default most new tokens per prompt (default 64)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="model window in tokens (default: the model's)")
+    p.add_argument("--output", default=None, help="write per-line results as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    model_opts(p)
     return parser
 
 
-COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "chars": cmd_chars, "sample": cmd_sample}
+COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "chars": cmd_chars, "sample": cmd_sample,
+            "eval": cmd_eval}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,133 @@
+"""Tokenization of scoring requests, the lm-evaluation-harness way.
+
+The conventions are those of lm-eval 0.4's causal ``HFLM`` (``TemplateLM._encode_pair``,
+``HFLM.tok_encode``, ``lm_eval.utils.get_rolling_token_windows``), so that genback's
+log-likelihoods equal ``HFLM``'s on the same model:
+
+* a context is encoded with the tokenizer's default special tokens (no second BOS when the text
+  already starts with the prefix token's text); a continuation never gets special tokens;
+* trailing whitespace of the context moves to the start of the continuation, then
+  ``context + continuation`` is encoded as a whole and the context's ids are cut off its front
+  (so the continuation ids are the ones the joint text tokenizes to);
+* an empty context is replaced by the *prefix token*: BOS, or EOS when there is no BOS;
+* a rolling (perplexity) text is scored in disjoint windows of at most ``max_length`` predicted
+  tokens, the first conditioned on the prefix token.
+
+Evalution's own Transformers engine encodes the context and the continuation separately and
+keeps trailing whitespace on the context; both conventions give the same ids for the usual
+``"...Answer:"`` + ``" choice"`` requests. genback follows lm-eval (``pair_encoding="lm_eval"``,
+the default) and offers Evalution's (``pair_encoding="separate"``). Requests that carry
+``context_input_ids`` / ``continuation_input_ids`` are used as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair", "truncate_pair",
+           "rolling_windows"]
+
+PAIR_ENCODINGS = ("lm_eval", "separate")
+
+
+def prefix_token_id(tokenizer) -> int:
+    """The token an empty context is scored from: BOS, or EOS when there is no BOS.
+
+    Raises:
+        ValueError: the tokenizer has neither.
+    """
+    if tokenizer.bos_token_id is not None:
+        return int(tokenizer.bos_token_id)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has neither a BOS nor an EOS token to score an empty context")
+    return int(tokenizer.eos_token_id)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Ids of ``text`` with the tokenizer's default special tokens, none added when ``text``
+    already starts with the prefix token's text (lm-eval's ``HFLM.tok_encode``)."""
+    prefix = tokenizer.decode(prefix_token_id(tokenizer))
+    if prefix and text.startswith(prefix):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def encode_pair(tokenizer, context: str, continuation: str, mode: str = "lm_eval"
+                ) -> tuple[list[int], list[int]]:
+    """``(context_ids, continuation_ids)`` for scoring ``continuation`` after ``context``.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        context: the conditioning text ("" scores from the prefix token).
+        continuation: the scored text.
+        mode: ``"lm_eval"`` (joint encoding, see the module docstring) or ``"separate"``
+            (Evalution: context and continuation encoded on their own).
+
+    Returns:
+        two lists of ids; the continuation list may be empty (the caller rejects it).
+
+    Raises:
+        ValueError: unknown ``mode``.
+    """
+    if mode not in PAIR_ENCODINGS:
+        raise ValueError(f"pair_encoding must be one of {PAIR_ENCODINGS}, got {mode!r}")
+    if context == "":
+        cont = list(tokenizer.encode(continuation, add_special_tokens=False))
+        prefix = prefix_token_id(tokenizer)
+        if cont and cont[0] == prefix:
+            return cont[:1], cont[1:]
+        return [prefix], cont
+    if mode == "separate":
+        return encode_text(tokenizer, context), list(
+            tokenizer.encode(continuation, add_special_tokens=False))
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces > 0:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    whole = encode_text(tokenizer, context + continuation)
+    ctx = encode_text(tokenizer, context)
+    return ctx, whole[len(ctx):]
+
+
+def truncate_pair(ctx: list[int], cont: list[int], max_length: int | None
+                  ) -> tuple[list[int], list[int]]:
+    """Left-truncate the context so that ``len(ctx) + len(cont) <= max_length + 1`` (the last
+    continuation token is only a target, never an input), as lm-eval does.
+
+    Raises:
+        ValueError: the continuation alone needs more than ``max_length`` inputs.
+    """
+    if not max_length or len(ctx) + len(cont) <= max_length + 1:
+        return ctx, cont
+    if len(cont) > max_length:
+        raise ValueError(f"the continuation has {len(cont)} tokens; the model's window is "
+                         f"{max_length} tokens")
+    return ctx[len(ctx) + len(cont) - max_length - 1:], cont
+
+
+def rolling_windows(tokens: list[int], prefix: int, max_length: int
+                    ) -> Iterator[tuple[list[int], list[int]]]:
+    """Disjoint ``(context, targets)`` windows that score every token of ``tokens`` once.
+
+    The first window predicts up to ``max_length`` tokens from ``[prefix] + tokens``; each later
+    window predicts the next (up to) ``max_length`` tokens conditioned on the tokens before them,
+    with at most ``max_length`` model inputs (lm-eval's ``get_rolling_token_windows`` with
+    ``context_len=1`` followed by ``make_disjoint_window``).
+
+    Raises:
+        ValueError: ``max_length < 1``.
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    n = len(tokens)
+    if n == 0:
+        return
+    first = min(max_length, n)
+    yield [prefix], tokens[:first]  # inputs [prefix] + tokens[:first - 1]
+    done = first
+    while done < n:
+        size = min(n - done, max_length)
+        end = done + size
+        # inputs tokens[end - 1 - max_length : end - 1]; the last size - 1 are targets' inputs
+        yield tokens[end - 1 - max_length: done], tokens[done:end]
+        done = end

@@ -1,0 +1,197 @@
+"""lm-evaluation-harness model ``"genback"`` (needs ``lm_eval``, the ``[eval]`` extra).
+
+``GenbackLM`` is a ``lm_eval.api.model.TemplateLM``: lm-eval itself tokenizes
+``(context, continuation)`` pairs (trailing-whitespace move, joint encoding, prefix token for an
+empty context) and hands the ids to ``_loglikelihood_tokens``, which scores them on a
+:class:`~genback.engine.session.GenbackSession` (so choices of one question share their
+context's KV). ``loglikelihood_rolling`` and ``generate_until`` go through the session too.
+
+Use from Python::
+
+    import lm_eval
+    from genback.engine import GenbackLM
+    lm_eval.simple_evaluate(model=GenbackLM(pretrained="smollm2-135m"), tasks=[...])
+    # or, after genback.engine.register_lm_eval():  model="genback",
+    #     model_args="pretrained=smollm2-135m,backend=hf"
+
+and from the command line (``lm_eval``'s own CLI, with the model registered first)::
+
+    python -m genback.engine.lm_eval_model --model genback \
+        --model_args pretrained=smollm2-135m --tasks hellaswag --limit 50
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import model_registry
+from tqdm import tqdm
+
+from .encoding import encode_text, prefix_token_id
+from .engine import GenbackEngine
+from .types import GenerationRequest, LoglikelihoodRequest, RollingLoglikelihoodRequest
+
+__all__ = ["GenbackLM", "register_lm_eval"]
+
+log = logging.getLogger(__name__)
+
+
+class GenbackLM(TemplateLM):
+    """lm-eval model over genback.
+
+    Args:
+        pretrained: embedded alias, local folder or Hub id (default ``"smollm2-135m"``).
+        backend: ``"hf"``, ``"vllm"`` or ``"mock"``.
+        lm: an already loaded ``AsyncLM`` (then ``pretrained`` / ``backend`` are not used and
+            the model is not closed with this object).
+        max_length: model window in tokens (default: the model's).
+        max_gen_toks: default most new tokens for ``generate_until`` (256, as lm-eval).
+        batch_size: requests in flight per call (lm-eval's option; "auto" or None: 256).
+        device: lm-eval's ``--device``; for the hf backend a non-CPU device becomes
+            ``hf_opts={"device_map": device}`` unless ``hf_opts`` is given. lm-eval's CLI
+            passes ``"cuda"`` by default: without CUDA it is ignored (the model stays on the
+            CPU), as ``HFLM`` does.
+        max_batch_size: accepted for lm-eval's CLI and ignored (batches are formed by genback).
+        **llm_opts: options for the backend's ``from_name``.
+    """
+
+    def __init__(self, pretrained: str = "smollm2-135m", backend: str = "hf", lm=None,
+                 max_length: int | None = None, max_gen_toks: int = 256, batch_size=None,
+                 max_batch_size=None, device=None, **llm_opts):
+        super().__init__()
+        in_flight = batch_size if isinstance(batch_size, int) and batch_size > 0 else 256
+        if isinstance(batch_size, str) and batch_size.isdigit():
+            in_flight = int(batch_size)
+        if _usable_device(device) and lm is None and backend == "hf" and "hf_opts" not in llm_opts:
+            llm_opts["hf_opts"] = {"device_map": device}
+        engine = GenbackEngine(backend=backend, lm=lm, llm_opts=llm_opts, max_length=max_length,
+                               max_in_flight=in_flight, errors="raise")
+        self.session = engine.build(pretrained)
+        self.tokenizer = self.session.tokenizer
+        self.pretrained = pretrained
+        self.max_gen_toks = max_gen_toks
+
+    # -- what TemplateLM needs ----------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return prefix_token_id(self.tokenizer)
+
+    @property
+    def max_length(self) -> int:
+        return self.session.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", str(self.pretrained)).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if add_special_tokens is None:
+            return encode_text(self.tokenizer, string)
+        return list(self.tokenizer.encode(string, add_special_tokens=add_special_tokens))
+
+    def tok_decode(self, tokens, **kwargs) -> str:
+        return self.tokenizer.decode(tokens, **kwargs)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``."""
+        items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
+                 for _, ctx, cont in requests]  # the session truncates to its window
+        results: list = []
+        step = self.session.max_in_flight  # one session call per chunk: contexts prefilled first
+        with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
+            for start in range(0, len(items), step):
+                outs = self.session.loglikelihood(items[start:start + step])
+                results += [(o.logprob, o.is_greedy) for o in outs]
+                bar.update(len(outs))
+        for (pair, _, _), res in zip(requests, results):
+            if pair is not None:
+                self.cache_hook.add_partial("loglikelihood", pair, res)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        texts = [req.args[0] for req in requests]
+        outs = self.session.loglikelihood_rolling([RollingLoglikelihoodRequest(t) for t in texts])
+        for text, out in zip(texts, outs):
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), out.logprob)
+        return [out.logprob for out in outs]
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
+
+        eos = self.tokenizer.decode([self.eot_token_id]) if self.eot_token_id is not None else None
+        items = []
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+            meta = {k: kw[k] for k in ("top_k", "top_p", "seed") if kw.get(k) is not None}
+            items.append((i, GenerationRequest(
+                prompt=context, stop=until, max_new_tokens=int(kw.pop("max_gen_toks")),
+                do_sample=bool(kw.get("do_sample", False)),
+                temperature=float(kw.get("temperature", 0.0) or 0.0), metadata=meta)))
+        results: list = [None] * len(items)
+        bar = tqdm(total=len(items), desc="genback generate_until", disable=disable_tqdm)
+        for i, out in self.session.generate_continuous(items):
+            results[i] = out.text
+            self.cache_hook.add_partial("generate_until", requests[i].args, out.text)
+            bar.update(1)
+        bar.close()
+        return results
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_template(self, chat_template=False):
+        if chat_template is False or chat_template is None:
+            return None
+        return getattr(self.tokenizer, "chat_template", None)
+
+    def close(self) -> None:
+        """Close the genback session (idempotent)."""
+        self.session.close()
+
+
+def _usable_device(device) -> bool:
+    if not device or str(device) == "cpu":
+        return False
+    if str(device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            log.warning("device %r requested but CUDA is not available: using the CPU", device)
+            return False
+    return True
+
+
+def register_lm_eval() -> type[GenbackLM]:
+    """Register ``GenbackLM`` as lm-eval model ``"genback"`` (idempotent); returns the class.
+
+    lm-eval's built-in models are registered first: its registry only loads them lazily when
+    it is empty, so registering into an empty registry would hide them.
+    """
+    import lm_eval.models  # noqa: F401  (registers the built-in models)
+
+    if model_registry.get("genback", None) is not GenbackLM:
+        model_registry.register("genback", target=GenbackLM)
+    return GenbackLM
+
+
+register_lm_eval()
+
+
+def main() -> None:
+    """``lm_eval``'s command line with the ``genback`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()  # reads sys.argv (lm-eval inserts its "run" subcommand when none is given)
+
+
+if __name__ == "__main__":
+    main()

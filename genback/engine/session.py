@@ -1,0 +1,376 @@
+"""``GenbackSession``: the Evalution session contract over any ``AsyncLM``.
+
+The session owns an event loop running on its own daemon thread and drives the model from it.
+Its public methods are synchronous (Evalution's contract): they hand coroutines to that loop
+with ``asyncio.run_coroutine_threadsafe`` and block the *calling* thread until the answers are
+there, so they work from plain threads and from inside a running event loop alike (the caller's
+loop is blocked for the call, the session's loop never is). Requests in flight are all
+concurrent coroutines on the session loop, so the model's batcher forms batches across requests
+(continuous batching) and its KV prefix tree shares common prefixes (multiple-choice contexts,
+chat system prompts).
+
+Bad requests never stop the session: with ``errors="record"`` (default) a failing request gets
+an output carrying ``metadata["error"]`` (``"ValueError: ..."``) and a documented value
+(log-likelihood ``-inf`` with ``token_count=0``; generation ``text=""`` with
+``finish_reason="error"``) while the other requests are answered normally; with
+``errors="raise"`` the first failure is raised after every request of the call has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc as _gc
+import logging
+import random
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, Callable
+
+from .base import BaseInferenceSession
+from .encoding import (PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id,
+                       truncate_pair)
+from .generation import StreamEvent, decode, eos_token_ids, prepare_prompt, sampling_params
+from .loop_thread import LoopThread, SessionClosed
+from .scoring import score, score_rolling
+from .types import (GenerationOutput, GenerationRequest, LoglikelihoodOutput,
+                    LoglikelihoodRequest, RollingLoglikelihoodOutput, RollingLoglikelihoodRequest)
+
+__all__ = ["GenbackSession"]
+
+log = logging.getLogger(__name__)
+
+_ERRORS = ("record", "raise")
+
+
+def _ids(value, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a list of int token ids, got {type(value).__name__}")
+    return [int(t) for t in value]
+
+
+class GenbackSession(BaseInferenceSession):
+    """A live session over one ``AsyncLM``.
+
+    Args:
+        lm: the model (``AsyncTransformer``, ``AsyncVirtualLM``, ``MockAsyncLM``, ...).
+        owns_lm: close the model (``aclose``) when the session closes.
+        backend: the backend name reported by :meth:`describe_execution`.
+        max_length: the model window in tokens for truncation and rolling windows; default the
+            model's ``max_context_length``, else 2048 (lm-eval's default).
+        max_in_flight: most requests of one call in flight at once (default 256); a call's
+            ``batch_size`` overrides it for that call.
+        pair_encoding: ``"lm_eval"`` (default) or ``"separate"``; see :mod:`genback.engine.encoding`.
+        seed: seeds the per-request seeds of sampled requests without ``metadata["seed"]``.
+        errors: ``"record"`` or ``"raise"`` (module docstring).
+
+    Raises:
+        ValueError: an option out of range.
+    """
+
+    def __init__(self, lm, *, owns_lm: bool = False, backend: str | None = None,
+                 max_length: int | None = None, max_in_flight: int = 256,
+                 pair_encoding: str = "lm_eval", seed: int | None = 0, errors: str = "record"):
+        if pair_encoding not in PAIR_ENCODINGS:
+            raise ValueError(f"pair_encoding must be one of {PAIR_ENCODINGS}, got {pair_encoding!r}")
+        if errors not in _ERRORS:
+            raise ValueError(f"errors must be one of {_ERRORS}, got {errors!r}")
+        for name, value in (("max_in_flight", max_in_flight), ("max_length", max_length)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.lm = lm
+        self.tokenizer = lm.tokenizer
+        self.backend = backend or type(lm).__name__
+        self.max_length = max_length or getattr(lm, "max_context_length", None) or 2048
+        self.max_in_flight = max_in_flight
+        self.pair_encoding = pair_encoding
+        self.errors = errors
+        self._owns_lm = owns_lm
+        self._seeds = random.Random(seed)
+        self._eos = eos_token_ids(lm)
+        self._state_lock = threading.Lock()
+        self._runner = LoopThread("genback-session")
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _guarded(self, fn, request, default):
+        async def run():
+            try:
+                return await fn(request)
+            except (asyncio.CancelledError, SessionClosed):
+                raise
+            except Exception as exc:  # one bad request must not fail the others
+                if self.errors == "raise":
+                    raise
+                log.warning("genback request failed: %s: %s", type(exc).__name__, exc)
+                return default(request, f"{type(exc).__name__}: {exc}")
+        return run()
+
+    async def _gather(self, requests: list, fn, default, limit: int | None, prefill=None):
+        limit = limit or self.max_in_flight
+        semaphore = asyncio.Semaphore(limit)
+
+        async def one(request):
+            async with semaphore:
+                return await self._guarded(fn, request, default)
+
+        results: list = []
+        # with a prefill step, requests go in chunks of ``limit``: first the chunk's shared
+        # prefixes, then its requests, so long prefills and short scoring forwards do not share
+        # (and pad) batches
+        step = limit if prefill is not None else max(1, len(requests))
+        for start in range(0, len(requests), step):
+            chunk = requests[start:start + step]
+            if prefill is not None:
+                await prefill(chunk)
+            results += await asyncio.gather(*(one(r) for r in chunk), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def _run_all(self, requests, fn, default, batch_size, prefill=None) -> list:
+        requests = list(requests)
+        if not requests:
+            return []
+        _check_batch_size(batch_size)
+        return self._runner.call(self._gather(requests, fn, default, batch_size, prefill))
+
+    def _continuous(self, items: Iterable, fn, default, batch_size) -> Iterator[tuple[Any, Any]]:
+        _check_batch_size(batch_size)
+        return self._runner.continuous(items, lambda r: self._guarded(fn, r, default),
+                                       batch_size or self.max_in_flight)
+
+    # -- log-likelihood ----------------------------------------------------------------------------
+
+    def _encode_ll(self, request: LoglikelihoodRequest) -> tuple[list[int], list[int]]:
+        ctx = _ids(request.context_input_ids, "context_input_ids")
+        cont = _ids(request.continuation_input_ids, "continuation_input_ids")
+        if ctx is None and cont is None:
+            ctx, cont = encode_pair(self.tokenizer, request.context or "",
+                                    request.continuation or "", self.pair_encoding)
+        else:
+            if ctx is None:
+                ctx = encode_text(self.tokenizer, request.context) if request.context else []
+            if cont is None:
+                cont = list(self.tokenizer.encode(request.continuation or "",
+                                                  add_special_tokens=False))
+            if not ctx:
+                ctx = [prefix_token_id(self.tokenizer)]
+        if not cont:
+            raise ValueError(f"continuation={request.continuation!r} (continuation_input_ids="
+                             f"{request.continuation_input_ids!r}) tokenizes to no tokens; "
+                             f"nothing to score")
+        return truncate_pair(ctx, cont, self.max_length)
+
+    async def _loglikelihood_one(self, request: LoglikelihoodRequest) -> LoglikelihoodOutput:
+        ctx, cont = self._encode_ll(request)
+        logprob, greedy = await score(self.lm, ctx, cont)
+        return LoglikelihoodOutput(logprob, greedy, len(cont), dict(request.metadata or {}))
+
+    async def _prefill_contexts(self, requests: list[LoglikelihoodRequest]) -> None:
+        """Compute the next-token row (and, on KV backends, the KV) of each distinct context
+        once; bad requests are skipped here and fail in their own scoring."""
+        contexts = {}
+        for request in requests:
+            try:
+                ctx, _ = self._encode_ll(request)
+            except Exception:  # noqa: BLE001 - reported by the request's own scoring
+                continue
+            contexts[tuple(ctx)] = None
+        await asyncio.gather(*(self.lm.next_token_logprobs(list(c)) for c in contexts),
+                             return_exceptions=True)
+
+    @staticmethod
+    def _ll_error(request, message: str) -> LoglikelihoodOutput:
+        return LoglikelihoodOutput(float("-inf"), False, 0,
+                                   {**(getattr(request, "metadata", None) or {}), "error": message})
+
+    def loglikelihood(self, requests: list[LoglikelihoodRequest], *,
+                      batch_size: int | None = None) -> list[LoglikelihoodOutput]:
+        """Score each request's continuation after its context, one output per request in order.
+
+        ``logprob`` is the summed natural-log probability of the continuation tokens,
+        ``is_greedy`` whether each is the argmax given what precedes it, ``token_count`` the
+        number of continuation tokens scored. Requests sharing a context share its KV.
+        ``batch_size``: most requests in flight (default ``max_in_flight``).
+        """
+        return self._run_all(requests, self._loglikelihood_one, self._ll_error, batch_size,
+                             prefill=self._prefill_contexts)
+
+    def loglikelihood_continuous(self, requests: Iterable[tuple[Any, LoglikelihoodRequest]], *,
+                                 batch_size: int | None = None
+                                 ) -> Iterator[tuple[Any, LoglikelihoodOutput]]:
+        """``(request_id, output)`` in completion order; requests are taken from the iterable
+        as earlier ones finish (at most ``batch_size`` or ``max_in_flight`` in flight)."""
+        return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
+
+    async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
+        tokens = _ids(request.input_ids, "input_ids")
+        if tokens is None:
+            tokens = encode_text(self.tokenizer, request.text or "")
+        total = await score_rolling(self.lm, tokens, prefix_token_id(self.tokenizer),
+                                    self.max_length)
+        return RollingLoglikelihoodOutput(total, len(tokens), dict(request.metadata or {}))
+
+    @staticmethod
+    def _rolling_error(request, message: str) -> RollingLoglikelihoodOutput:
+        return RollingLoglikelihoodOutput(float("-inf"), 0,
+                                          {**(getattr(request, "metadata", None) or {}), "error": message})
+
+    def loglikelihood_rolling(self, requests: list[RollingLoglikelihoodRequest], *,
+                              batch_size: int | None = None) -> list[RollingLoglikelihoodOutput]:
+        """Total log-prob of every token of each text (the text encoded with the tokenizer's
+        default special tokens, the first token scored after the prefix token) in windows of at
+        most ``max_length`` inputs, as lm-eval's ``loglikelihood_rolling``; ``token_count`` is
+        the number of tokens scored."""
+        return self._run_all(requests, self._rolling_one, self._rolling_error, batch_size)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def _seed(self) -> int:
+        with self._state_lock:
+            return self._seeds.getrandbits(63)
+
+    async def _generate_one(self, request: GenerationRequest,
+                            on_event: Callable[[StreamEvent], None] | None = None) -> GenerationOutput:
+        params = sampling_params(request)
+        if not params.greedy and params.seed is None:
+            params = dataclasses.replace(params, seed=self._seed())
+        max_new = request.max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
+        stop = request.stop or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a list of str, got {request.stop!r}")
+        text, ids = prepare_prompt(self.tokenizer, request)
+        if len(ids) > self.max_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than the model window "
+                             f"max_length={self.max_length}")
+        return await decode(self.lm, text, ids, params, max_new_tokens=max_new, stop=stop,
+                            eos_ids=self._eos, max_length=self.max_length, on_event=on_event,
+                            metadata=request.metadata)
+
+    @staticmethod
+    def _gen_error(request, message: str) -> GenerationOutput:
+        prompt = getattr(request, "prompt", None) or getattr(request, "rendered_prompt", None) or ""
+        meta = {**(getattr(request, "metadata", None) or {}), "error": message,
+                "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0,
+                "token_ids": []}
+        return GenerationOutput(prompt=prompt, text="", metadata=meta)
+
+    def generate(self, requests: list[GenerationRequest], *,
+                 batch_size: int | None = None) -> list[GenerationOutput]:
+        """One ``GenerationOutput`` per request, in order (see :func:`genback.engine.generation.decode`
+        for stopping and metadata, :func:`~genback.engine.generation.sampling_params` for
+        greedy vs sampling)."""
+        return self._run_all(requests, self._generate_one, self._gen_error, batch_size)
+
+    def generate_continuous(self, requests: Iterable[tuple[Any, GenerationRequest]], *,
+                            batch_size: int | None = None
+                            ) -> Iterator[tuple[Any, GenerationOutput]]:
+        """``(request_id, output)`` in completion order while later requests join the running
+        batches (at most ``batch_size`` or ``max_in_flight`` in flight). Closing the iterator
+        early cancels the requests still running."""
+        return self._continuous(requests, self._generate_one, self._gen_error, batch_size)
+
+    async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
+        """Async form of one ``generate`` for callers on their own event loop (errors raise)."""
+        return await asyncio.wrap_future(self._runner.submit(self._generate_one(request)))
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
+        """Stream one generation: ``async for event in session.stream(request)``.
+
+        Yields :class:`~genback.engine.generation.StreamEvent` objects as tokens are generated,
+        the last one with ``event.output``. Leaving the loop early (``break``) or cancelling the
+        consuming task cancels the generation: its pending model queries are dropped before they
+        are computed. Errors of the request are raised here.
+        """
+        caller = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def push(event):
+            try:
+                caller.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                pass
+
+        future = self._runner.submit(self._generate_one(request, on_event=push))
+        future.add_done_callback(lambda f: push(None))
+        try:
+            while True:
+                event = await events.get()
+                if event is None:  # finished without a final event: raise why
+                    if future.cancelled():
+                        raise SessionClosed("the generation was cancelled (session closed)")
+                    future.result()
+                    return
+                yield event
+                if event.finished:
+                    return
+        finally:
+            if not future.done():
+                future.cancel()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def gc(self) -> None:
+        """Drop the model's cached rows and unpinned KV (between suites); the model stays."""
+        if self._runner.closed:
+            return
+        self.lm.clear_cache()
+        _gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+
+    def close(self) -> None:
+        """Cancel running requests, close the model if the session owns it, stop the loop
+        thread. Idempotent; later calls of other methods raise ``SessionClosed``."""
+        self._runner.close(self.lm.aclose if self._owns_lm else None)
+
+    @property
+    def closed(self) -> bool:
+        return self._runner.closed
+
+    def __enter__(self) -> "GenbackSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe_execution(self) -> dict[str, Any]:
+        """Stable facts about how requests run (no counters, no object ids)."""
+        lm = self.lm
+        device = getattr(lm, "device", None)
+        return {
+            "backend": self.backend,
+            "model_class": type(lm).__name__,
+            "device": None if device is None else str(device),
+            "batching": "continuous (genback auto-batcher)",
+            "lm_batch_size": getattr(lm, "batch_size", None),
+            "kv_cache": "prefix tree" if _has_kv_tree(lm) else None,
+            "max_length": self.max_length,
+            "pair_encoding": self.pair_encoding,
+            "errors": self.errors,
+        }
+
+
+def _has_kv_tree(lm) -> bool:
+    from ..llm import AsyncTransformer
+
+    return isinstance(lm, AsyncTransformer)
+
+
+def _check_batch_size(batch_size) -> None:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
