@@ -122,12 +122,24 @@ class TokenCharacterTrie:
 
     @cached_property
     def children(self) -> list[dict]:
+        """``children[node]``: ``{letter: child, (None, i): leaf}`` (see the module docstring).
+
+        Each dict lists its edges in the order of their first item in ``decode`` (the order in
+        which inserting ``decode[0], decode[1], ...`` one by one would add them, as genlm-backend
+        does), so clients that iterate a node's edges and draw from them (genlm-control's
+        ``EagerSetSampler``) draw the same edge for the same random number.
+        """
         lay = self._layout
         out = [{} for _ in range(lay.num_nodes)]
+        if lay.num_nodes <= 1:
+            return out
+        # first item below each node = min position in decode over its slice (a range max of -i)
+        first = -run_block_plan(self._blocks, -np.arange(self.num_tokens, dtype=np.float64)[None, :], "max")[0]
+        nodes = (np.argsort(first[1:], kind="stable") + 1).tolist()
         parent = lay.parent.tolist()
         letter = lay.letter.tolist()
         item = lay.item_of_node.tolist()
-        for n in range(1, lay.num_nodes):
+        for n in nodes:
             key = (None, item[n]) if item[n] >= 0 else lay.decode_letter(letter[n])
             out[parent[n]][key] = n
         return out
