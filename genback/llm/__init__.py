@@ -23,21 +23,34 @@ __all__ = [
 _BACKENDS = ("hf", "mock", "vllm")
 
 
+def _default_backend() -> str:
+    """``"vllm"`` when a CUDA device and vLLM are both available, else ``"hf"``."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return "hf"
+
+
 def load_model_by_name(name: str = "smollm2-135m", backend: str | None = None,
                        llm_opts: dict | None = None) -> AsyncLM:
     """Load a model by embedded alias, local folder or Hub id.
 
     Args:
         name: ``"smollm2-135m"`` (default), a local Hugging Face folder, or a Hub id.
-        backend: ``"hf"`` (AsyncTransformer), ``"mock"`` (MockAsyncLM) or ``"vllm"``; None picks
-            ``"hf"`` (the vLLM backend is not available in this release).
-        llm_opts: keyword options for the backend's ``from_name``.
+        backend: ``"vllm"`` (AsyncVirtualLM), ``"hf"`` (AsyncTransformer) or ``"mock"``
+            (MockAsyncLM); None picks ``"vllm"`` when CUDA and vLLM are available, else ``"hf"``.
+        llm_opts: keyword options for the backend's ``from_name`` (for ``"vllm"``, e.g.
+            ``{"engine_opts": {"tensor_parallel_size": 2}}``).
 
     Raises:
         ValueError: unknown backend or model.
+        ImportError: ``backend="vllm"`` without vLLM installed.
     """
     if backend is None:
-        backend = "hf"
+        backend = _default_backend()
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
     opts = dict(llm_opts or {})

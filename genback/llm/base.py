@@ -251,12 +251,8 @@ class AsyncLM:
         Raises:
             ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids.
         """
-        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-        eos = set(check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
+        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
+                                              temperature)
         generator = None
         if seed is not None:
             generator = torch.Generator().manual_seed(int(seed))
@@ -269,6 +265,17 @@ class AsyncLM:
                 break
             generated.append(token)
         return generated
+
+    def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
+        """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call (shared by
+        every backend's ``sample``); raises as :meth:`sample` documents."""
+        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+        eos = set(check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
+        return prompt, eos
 
     async def batch_sample(
         self, prompt_token_ids_list, max_tokens, eos_token_ids, temperature=1.0, seed=None,
