@@ -63,3 +63,13 @@ async def smol_lm(smol_hf):
     lm = AsyncTransformer(*smol_hf)
     yield lm
     await lm.aclose()
+
+
+@pytest.fixture(scope="module")
+def module_smol_lm(smol_hf):
+    """One AsyncTransformer over the real SmolLM2 shared by a test module (closed at its end)."""
+    from genback.llm import AsyncTransformer
+
+    lm = AsyncTransformer(*smol_hf)
+    yield lm
+    lm.close()

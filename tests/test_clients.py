@@ -15,7 +15,6 @@ skips with the reason when a client package (or, for the comparisons, genlm-back
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import os
@@ -25,6 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from _client_packages import INSTALL
+from _client_packages import installed as _installed
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +38,6 @@ NEEDS = {  # program -> distributions it imports
     "control_samplers": ("genlm-control", "genlm-grammar"),
     "bytes_bytellm": ("genlm-control", "genlm-bytes"),
 }
-INSTALL = "pip install --no-deps -r ci/clients.txt && pip install -r ci/clients-deps.txt"
-
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def _require(program: str, backend: str) -> None:

@@ -9,7 +9,6 @@ not installed (``pip install --no-deps -r ci/clients.txt && pip install -r ci/cl
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -18,18 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _client_packages import INSTALL
+from _client_packages import installed as _installed
 import torch
 
 REPO = Path(__file__).parent.parent
-INSTALL = "pip install --no-deps -r ci/clients.txt && pip install -r ci/clients-deps.txt"
-
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

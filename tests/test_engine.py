@@ -18,10 +18,8 @@ from genback.llm import AsyncTransformer
 
 
 @pytest.fixture(scope="module")
-def lm(smol_hf):
-    model = AsyncTransformer(*smol_hf)
-    yield model
-    model.close()
+def lm(module_smol_lm):
+    return module_smol_lm
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,13 @@ from pathlib import Path
 import pytest
 
 from genback.engine import GenbackEngine, LoglikelihoodRequest, RollingLoglikelihoodRequest
-from genback.llm import AsyncTransformer
 
 DATA = Path(__file__).parent / "data" / "engine"
 
 
 @pytest.fixture(scope="module")
-def lm(smol_hf):
-    model = AsyncTransformer(*smol_hf)
-    yield model
-    model.close()
+def lm(module_smol_lm):
+    return module_smol_lm
 
 
 @pytest.fixture(scope="module")
