@@ -1,11 +1,11 @@
 """Auto-batching of concurrent queries into one computation on a worker thread.
 
-Callers on any event loop ``await batcher.submit(key, query, cost)``. Queries join a pending
-batch; the batch is dispatched when
+Callers on any event loop ``await batcher.submit(key, query)``. Queries join a pending batch;
+the batch is dispatched when
 
 * the *window* (seconds, measured from the first pending query and never reset by later ones)
   has expired, or
-* the batch is full: ``max_batch_size`` queries or ``max_batch_tokens`` of cost,
+* the batch is full: ``max_batch_size`` queries,
 
 and, in both cases, only once the previous batch of that loop has finished: while the worker
 computes, new queries keep joining the next batch (so batches grow under load instead of queueing).
@@ -15,11 +15,16 @@ Queries with an identical ``key`` in one pending batch are computed once and eve
 result. A computation that raises fails exactly the callers of its batch. A caller cancelled before
 its batch is dispatched is dropped and not computed. Each event loop that uses the batcher gets its
 own pending batch, so one object serves ``asyncio.run`` after ``asyncio.run``.
+
+The batcher decides only *when* a batch goes. How much work a batch is, and how it is split into
+forwards that fit in memory, is the runner's decision (:mod:`genback.runner`): only the runner
+knows what is cached. Pending state is guarded by a lock, so ``reset`` is safe from any thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -31,12 +36,11 @@ class BatcherClosed(RuntimeError):
 
 
 class _Entry:
-    __slots__ = ("key", "query", "cost", "futures")
+    __slots__ = ("key", "query", "futures")
 
-    def __init__(self, key, query, cost, future):
+    def __init__(self, key, query, future):
         self.key = key
         self.query = query
-        self.cost = cost
         self.futures = [future]
 
     def live(self) -> bool:
@@ -49,7 +53,6 @@ class _LoopState:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.pending: dict[Hashable, _Entry] = {}
-        self.pending_cost = 0
         self.timer: asyncio.TimerHandle | None = None
         self.window_expired = False
         self.busy = False
@@ -61,14 +64,12 @@ class Batcher:
     Args:
         compute: ``compute(queries) -> results``, called on the worker thread with a list of the
             distinct queries of one batch; returns one result per query, in order.
-        window: seconds to wait, from the first pending query, for more queries (>= 0).
+        window: seconds to wait, from the first pending query, for more queries (finite, >= 0).
         max_batch_size: most distinct queries per batch (>= 1).
-        max_batch_tokens: most total ``cost`` per batch (>= 1); a single query costing more is
-            still computed, alone.
         name: name of the worker thread.
 
     Raises:
-        ValueError: a non-positive ``max_batch_size`` / ``max_batch_tokens`` or negative ``window``.
+        ValueError: a non-positive ``max_batch_size`` or a negative, infinite or NaN ``window``.
     """
 
     def __init__(
@@ -77,18 +78,14 @@ class Batcher:
         *,
         window: float,
         max_batch_size: int,
-        max_batch_tokens: int,
         name: str = "genback-batcher",
     ):
-        if not isinstance(window, (int, float)) or window < 0:
-            raise ValueError(f"batch window must be a number >= 0 seconds, got {window!r}")
-        for arg, value in (("max_batch_size", max_batch_size), ("max_batch_tokens", max_batch_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) \
+                or max_batch_size <= 0:
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         self._compute = compute
-        self.window = float(window)
+        self.window = self.check_window(window)
         self.max_batch_size = max_batch_size
-        self.max_batch_tokens = max_batch_tokens
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._states: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState]" = (
             weakref.WeakKeyDictionary()
@@ -98,9 +95,17 @@ class Batcher:
         self.batches = 0  # dispatched batches
         self.queries = 0  # distinct queries computed
 
+    @staticmethod
+    def check_window(window) -> float:
+        """``window`` as a float, or ``ValueError`` unless it is a finite number >= 0."""
+        if isinstance(window, bool) or not isinstance(window, (int, float)) \
+                or not math.isfinite(window) or window < 0:
+            raise ValueError(f"batch_window must be a finite number >= 0 seconds, got {window!r}")
+        return float(window)
+
     # -- public ---------------------------------------------------------------------------------
 
-    async def submit(self, key: Hashable, query: Any, cost: int = 1) -> Any:
+    async def submit(self, key: Hashable, query: Any) -> Any:
         """Queue ``query`` and wait for its result.
 
         Raises:
@@ -112,18 +117,17 @@ class Batcher:
         loop = asyncio.get_running_loop()
         state = self._state(loop)
         future = loop.create_future()
-        entry = state.pending.get(key)
-        if entry is not None and entry.live():
-            entry.futures.append(future)
-        else:
-            if entry is None and not state.pending:
-                state.window_expired = self.window == 0
-                if not state.window_expired:
-                    state.timer = loop.call_later(self.window, self._on_window, state)
-            if entry is not None:  # every caller of that entry was cancelled: replace it
-                state.pending_cost -= entry.cost
-            state.pending[key] = _Entry(key, query, cost, future)
-            state.pending_cost += cost
+        with self._lock:
+            entry = state.pending.get(key)
+            if entry is not None and entry.live():
+                entry.futures.append(future)
+            else:
+                if not state.pending:
+                    state.window_expired = self.window == 0
+                    if not state.window_expired and state.timer is None:
+                        state.timer = loop.call_later(self.window, self._on_window, state)
+                # a replaced entry had only cancelled callers
+                state.pending[key] = _Entry(key, query, future)
         self._maybe_dispatch(state)
         return await future
 
@@ -134,14 +138,15 @@ class Batcher:
         """
         exc = exc or BatcherClosed("pending queries were reset (reset_async_queries)")
         failed = 0
-        for state in list(self._states.values()):
-            entries = list(state.pending.values())
-            state.pending.clear()
-            state.pending_cost = 0
-            if state.timer is not None:
-                state.timer.cancel()
-                state.timer = None
-            futures = [f for e in entries for f in e.futures]
+        with self._lock:
+            states = list(self._states.values())
+            taken = []
+            for state in states:
+                entries = list(state.pending.values())
+                state.pending.clear()
+                # a timer left running only dispatches an (empty or newer) batch early
+                taken.append((state, [f for e in entries for f in e.futures]))
+        for state, futures in taken:
             failed += sum(not f.done() for f in futures)
             _fail_threadsafe(state.loop, futures, exc)
         return failed
@@ -168,25 +173,21 @@ class Batcher:
             return state
 
     def _on_window(self, state: _LoopState) -> None:
-        state.timer = None
-        state.window_expired = True
+        with self._lock:
+            state.timer = None
+            state.window_expired = True
         self._maybe_dispatch(state)
 
-    def _full(self, state: _LoopState) -> bool:
-        return (
-            len(state.pending) >= self.max_batch_size
-            or state.pending_cost >= self.max_batch_tokens
-        )
-
     def _maybe_dispatch(self, state: _LoopState) -> None:
-        if state.busy or not state.pending:
-            return
-        if not (state.window_expired or self._full(state)):
-            return
-        batch = self._take_batch(state)
-        if not batch:
-            return
-        state.busy = True
+        with self._lock:
+            if state.busy or not state.pending:
+                return
+            if not (state.window_expired or len(state.pending) >= self.max_batch_size):
+                return
+            batch = self._take_batch(state)
+            if not batch:
+                return
+            state.busy = True
         self.batches += 1
         self.queries += len(batch)
         queries = [e.query for e in batch]
@@ -200,21 +201,15 @@ class Batcher:
 
     def _take_batch(self, state: _LoopState) -> list[_Entry]:
         batch: list[_Entry] = []
-        cost = 0
         for key in list(state.pending):
             entry = state.pending[key]
             if not entry.live():  # all of its callers were cancelled: drop it, never compute it
                 del state.pending[key]
-                state.pending_cost -= entry.cost
                 continue
-            if batch and (
-                len(batch) >= self.max_batch_size or cost + entry.cost > self.max_batch_tokens
-            ):
+            if len(batch) >= self.max_batch_size:
                 break
             del state.pending[key]
-            state.pending_cost -= entry.cost
             batch.append(entry)
-            cost += entry.cost
         if not state.pending:
             if state.timer is not None:
                 state.timer.cancel()
@@ -224,7 +219,8 @@ class Batcher:
         return batch
 
     def _finish(self, state: _LoopState, batch: list[_Entry], work: asyncio.Future) -> None:
-        state.busy = False
+        with self._lock:
+            state.busy = False
         exc = work.exception() if not work.cancelled() else asyncio.CancelledError()
         if exc is not None:
             _fail(batch, exc)

@@ -86,14 +86,20 @@ def test_unknown_model_and_backend():
 
 
 class _FailingTransformer(AsyncTransformer):
-    """Fault injection: the forward raises whenever a batch contains the poison token."""
+    """Fault injection: the runner raises whenever a batch contains the poison token."""
 
     POISON = 666
 
-    def _compute(self, queries):
-        if any(self.POISON in q.tokens for q in queries):
-            raise RuntimeError("injected forward failure")
-        return super()._compute(queries)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        run = self._runner.run
+
+        def failing_run(queries):
+            if any(self.POISON in q.tokens for q in queries):
+                raise RuntimeError("injected forward failure")
+            return run(queries)
+
+        self._runner.run = failing_run
 
 
 async def test_a_failing_forward_fails_only_its_batch(tiny_hf, gpt2_tok):

@@ -1,8 +1,10 @@
 """``AsyncLM``: the async next-token API shared by every backend.
 
-A backend only says how to compute a batch of :class:`Query` objects (``_compute``, called on
-the batcher's worker thread or, for sync calls, on the caller's thread). Everything else — input
-checks, the output cache, auto-batching, sync wrappers, sampling, statistics — lives here once.
+``AsyncLM`` is one class that composes a :class:`~genback.batcher.Batcher` (*when*: the window and
+the query count) with a backend runner (*what*: see :mod:`genback.runner`). Everything else —
+input checks, the output cache, auto-batching, sync wrappers, sampling, statistics — lives here
+once; the backends (``AsyncTransformer``, ``AsyncVirtualLM``, ``MockAsyncLM``) only build a
+runner and add their own constructors.
 """
 
 from __future__ import annotations
@@ -10,33 +12,15 @@ from __future__ import annotations
 import asyncio
 import numbers
 import threading
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from ..batcher import Batcher
+from ..batcher import Batcher, BatcherClosed
 from ..output_cache import OutputCache
+from ..query import Query
+from ..runner import Runner
 from .inputs import check_lora, check_positive_int, check_token_ids
-
-
-@dataclass(frozen=True)
-class Query:
-    """One question to the model.
-
-    ``targets is None``: the next-token log-prob row after ``tokens`` (float32 ``[V]``).
-    Otherwise: the log-probs of ``targets`` at the last ``len(targets)`` positions of
-    ``tokens + targets[-1:]``, i.e. ``tokens = context + continuation[:-1]`` and
-    ``targets = continuation`` (float32 ``[len(targets)]``). ``targets == ()``: only compute and
-    keep the KV of ``tokens`` (backends with a KV cache; the result is None).
-    """
-
-    tokens: tuple[int, ...]
-    targets: tuple[int, ...] | None = None
-
-    @property
-    def n_outputs(self) -> int:
-        return 1 if self.targets is None else len(self.targets)
 
 
 class AsyncLM:
@@ -44,11 +28,13 @@ class AsyncLM:
 
     Args:
         tokenizer: the Hugging Face tokenizer of the model.
+        runner: the backend runner (:class:`genback.runner.Runner`) that computes batches.
         vocab_size: the logit width ``V`` (rows have ``V`` entries; ``byte_vocab`` is padded to it).
-        batch_size: most distinct queries per batch (>= 1).
-        batch_window: seconds a batch waits for more queries, from its first query (>= 0).
-        max_batch_tokens: most tokens a batch forwards (>= 1); it is dispatched when full.
+        batch_size: most distinct queries per batch (>= 1); settable later (``lm.batch_size = n``).
+            How many of them share one forward is the runner's decision (by work and memory).
+        batch_window: seconds a batch waits for more queries, from its first query (finite, >= 0).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
+        max_context_length: most tokens a context may have (None: no limit).
 
     Raises:
         ValueError: an option out of range.
@@ -57,31 +43,58 @@ class AsyncLM:
     def __init__(
         self,
         tokenizer,
+        runner: Runner,
         *,
         vocab_size: int | None = None,
-        batch_size: int = 32,
+        batch_size: int = 512,
         batch_window: float = 0.002,
-        max_batch_tokens: int = 4096,
         row_cache_size: int = 1024,
+        max_context_length: int | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = check_positive_int(
             len(tokenizer) if vocab_size is None else vocab_size, "vocab_size"
         )
-        self.batch_size = check_positive_int(batch_size, "batch_size")
-        self.max_batch_tokens = check_positive_int(max_batch_tokens, "max_batch_tokens")
+        self.max_context_length = max_context_length
+        self._runner = runner
         self._output_cache = OutputCache(row_cache_size)
         self._batcher = Batcher(
             self._compute_locked,
             window=batch_window,
-            max_batch_size=self.batch_size,
-            max_batch_tokens=self.max_batch_tokens,
+            max_batch_size=check_positive_int(batch_size, "batch_size"),
         )
         self._forward_lock = threading.RLock()
         self._vocab = None
         self._stats_lock = threading.Lock()
         self._queries = 0
         self._tokens_queried = 0
+
+    @property
+    def batch_size(self) -> int:
+        """Most distinct queries per batch; setting it takes effect for the next batch."""
+        return self._batcher.max_batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._batcher.max_batch_size = check_positive_int(value, "batch_size")
+
+    @property
+    def batch_window(self) -> float:
+        """Seconds a batch waits for more queries, from its first query; settable."""
+        return self._batcher.window
+
+    @batch_window.setter
+    def batch_window(self, value: float) -> None:
+        self._batcher.window = Batcher.check_window(value)
+
+    @property
+    def timeout(self) -> float:
+        """genlm-backend's name of :attr:`batch_window`."""
+        return self.batch_window
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self.batch_window = value
 
     # -- vocabulary -----------------------------------------------------------------------------
 
@@ -102,21 +115,7 @@ class AsyncLM:
         """``list[str]`` of length ``vocab_size``: token ``i`` as text (lossy for partial UTF-8)."""
         return self._vocabs()[1]
 
-    # -- the backend's part -------------------------------------------------------------------------
-
-    def _compute(self, queries: list[Query]) -> list[torch.Tensor]:
-        """Answer distinct queries (see :class:`Query`); called with the forward lock held."""
-        raise NotImplementedError
-
-    def _cost(self, query: Query) -> int:
-        """Tokens a query will forward (for the batch token budget); backends may refine it."""
-        return len(query.tokens)
-
-    def _clear_backend_cache(self) -> None:
-        """Drop backend-side caches (KV); the output cache is dropped by ``clear_cache``."""
-
-    def _close_backend(self) -> None:
-        """Release backend resources after the batcher has stopped."""
+    # -- computation (the runner's part) -----------------------------------------------------------
 
     def _compute_locked(self, queries: list[Query]) -> list[torch.Tensor]:
         results: list = [None] * len(queries)
@@ -129,7 +128,8 @@ class AsyncLM:
                 todo.append(i)
         if todo:
             with self._forward_lock:
-                computed = self._compute([queries[i] for i in todo])
+                self._check_open()
+                computed = self._runner.run([queries[i] for i in todo])
             for i, value in zip(todo, computed):
                 results[i] = value
                 if queries[i].targets is None:
@@ -139,7 +139,17 @@ class AsyncLM:
     # -- queries ----------------------------------------------------------------------------------
 
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
-        return check_token_ids(token_ids, self.vocab_size, name)
+        ids = check_token_ids(token_ids, self.vocab_size, name)
+        if self.max_context_length and len(ids) > self.max_context_length:
+            raise ValueError(
+                f"{name} has {len(ids)} tokens, more than the model's context of "
+                f"{self.max_context_length}"
+            )
+        return ids
+
+    def _check_open(self) -> None:
+        if self._batcher.closed:
+            raise BatcherClosed("the model was closed (aclose); no more queries are served")
 
     def _count(self, n_tokens: int) -> None:
         with self._stats_lock:
@@ -162,11 +172,11 @@ class AsyncLM:
         """
         check_lora(lora_name)
         key = self._check_ids(token_ids)
+        self._check_open()
         self._count(len(key))
         row = self._output_cache.get(key)
         if row is None:
-            query = Query(key)
-            row = await self._batcher.submit(key, query, self._cost(query))
+            row = await self._batcher.submit(key, Query(key))
         return row.clone()
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
@@ -194,8 +204,7 @@ class AsyncLM:
 
     def _rows_sync(self, keys: list[tuple[int, ...]]) -> torch.Tensor:
         """Rows for checked contexts, computed on this thread in one batch: ``[len(keys), V]``."""
-        if self._batcher.closed:
-            raise RuntimeError("the model was closed (aclose); no more queries are served")
+        self._check_open()
         for key in keys:
             self._count(len(key))
         cached = {k: self._output_cache.get(k) for k in dict.fromkeys(keys)}
@@ -223,14 +232,22 @@ class AsyncLM:
         ``log p(continuation | context)``.
 
         Raises:
-            TypeError / ValueError: bad or empty ``context_ids`` / ``continuation_ids``.
+            TypeError / ValueError: bad or empty ``context_ids`` / ``continuation_ids``, or the
+                two together longer than the model's context.
         """
         check_lora(lora_name)
         context = self._check_ids(context_ids, "context_ids")
         continuation = self._check_ids(continuation_ids, "continuation_ids")
+        total = len(context) + len(continuation)
+        if self.max_context_length and total > self.max_context_length:
+            raise ValueError(
+                f"context_ids + continuation_ids has {total} tokens ({len(context)} + "
+                f"{len(continuation)}), more than the model's context of {self.max_context_length}"
+            )
+        self._check_open()
         query = Query(context + continuation[:-1], continuation)
         self._count(len(query.tokens))
-        result = await self._batcher.submit(query, query, self._cost(query))
+        result = await self._batcher.submit(query, query)
         return result.clone()
 
     # -- sampling ---------------------------------------------------------------------------------
@@ -300,13 +317,13 @@ class AsyncLM:
     # -- caches and lifecycle -------------------------------------------------------------------------
 
     def cache_info(self) -> dict:
-        """Counters: ``queries`` (calls answered), ``tokens_queried`` (their context lengths),
-        ``row_hits`` (answered from the output cache), ``batches``, ``batched_queries`` (distinct
-        queries those batches computed), ``rows_cached``; backends add
-        ``forwards``, ``tokens_forwarded``, ``kv_bytes``, ``kv_nodes``, ``evictions`` (AsyncTransformer
-        also ``padded_tokens_forwarded``, ``kv_budget_bytes`` and ``hot_kv_bytes``: the previous
-        forward's KV, kept outside the budget for the next lockstep batch)."""
-        return {
+        """Counters, read without waiting for a running forward: ``queries`` (calls answered),
+        ``tokens_queried`` (their context lengths), ``row_hits`` (answered from the output
+        cache), ``batches``, ``batched_queries`` (distinct queries those batches computed),
+        ``rows_cached``, plus the runner's own (``forwards``, ``tokens_forwarded``, and for
+        AsyncTransformer ``kv_bytes``, ``kv_budget_bytes``, ``kv_nodes``, ``evictions``,
+        ``attention``, ...)."""
+        info = {
             "queries": self._queries,
             "tokens_queried": self._tokens_queried,
             "row_hits": self._output_cache.hits,
@@ -314,18 +331,34 @@ class AsyncLM:
             "batched_queries": self._batcher.queries,
             "rows_cached": len(self._output_cache),
         }
+        info.update(self._runner.stats())
+        return info
 
     def clear_cache(self) -> None:
-        """Drop every cached row and every unpinned cached KV state."""
+        """Drop every cached row and every unpinned cached KV state (pinned prompts stay)."""
         self._output_cache.clear()
         with self._forward_lock:
-            self._clear_backend_cache()
+            self._runner.clear(keep_pinned=True)
 
     def clear_kv_cache(self) -> None:
         """Drop every cached KV state, pinned ones included (rows stay)."""
+        with self._forward_lock:
+            self._runner.clear(keep_pinned=False)
 
     def cache_kv(self, prompt_tokens, lora_name=None) -> None:
-        """Compute and keep the KV of ``prompt_tokens``; backends without a KV tree ignore it."""
+        """Compute ``prompt_tokens``' KV now and keep it (AsyncTransformer pins it: it is never
+        evicted until ``clear_kv_cache``, so every query extending the prompt forwards only its
+        new tokens).
+
+        Raises:
+            TypeError / ValueError: bad ``prompt_tokens``, or (AsyncTransformer) a prompt whose
+                KV alone exceeds the KV budget.
+        """
+        check_lora(lora_name)
+        tokens = self._check_ids(prompt_tokens, "prompt_tokens")
+        self._check_open()
+        with self._forward_lock:
+            self._runner.pin(tokens)
 
     def reset_async_queries(self) -> int:
         """Fail every pending query with ``BatcherClosed``; return how many callers were failed.
@@ -341,7 +374,8 @@ class AsyncLM:
             return
         await asyncio.to_thread(self._batcher.close)
         with self._forward_lock:
-            self._close_backend()
+            self._runner.close()
+        self._output_cache.clear()
 
     def close(self) -> None:
         """Blocking form of :meth:`aclose`."""
@@ -349,4 +383,5 @@ class AsyncLM:
             return
         self._batcher.close()
         with self._forward_lock:
-            self._close_backend()
+            self._runner.close()
+        self._output_cache.clear()

@@ -1,18 +1,14 @@
 """``MockAsyncLM``: a model-free ``AsyncLM`` over a real tokenizer's vocabulary, for tests.
 
-Its rows are deterministic pseudo-random log-distributions keyed by the whole context (a CRC-32
-of the ids seeds a ``torch.Generator``), computed through the same batcher and output cache as
-the real backends.
+Its rows are deterministic pseudo-random log-distributions keyed by the whole context (see
+:mod:`genback.runners.mock`), computed through the same batcher and output cache as the real
+backends.
 """
 
 from __future__ import annotations
 
-import zlib
-
-import numpy as np
-import torch
-
-from .base import AsyncLM, Query
+from ..runners.mock import MockRunner
+from .base import AsyncLM
 
 
 class MockAsyncLM(AsyncLM):
@@ -20,12 +16,13 @@ class MockAsyncLM(AsyncLM):
 
     Args:
         tokenizer: a Hugging Face tokenizer (its ``len`` is the row width unless ``vocab_size``).
-        **kwargs: ``AsyncLM`` options (``vocab_size``, ``batch_size``, ``batch_window``, ...).
+        vocab_size: the row width ``V`` (default ``len(tokenizer)``).
+        **kwargs: ``AsyncLM`` options (``batch_size``, ``batch_window``, ``row_cache_size``).
     """
 
-    def __init__(self, tokenizer, **kwargs):
-        super().__init__(tokenizer, **kwargs)
-        self.forwards = 0
+    def __init__(self, tokenizer, vocab_size: int | None = None, **kwargs):
+        width = len(tokenizer) if vocab_size is None else vocab_size
+        super().__init__(tokenizer, MockRunner(width), vocab_size=width, **kwargs)
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", **kwargs) -> "MockAsyncLM":
@@ -36,23 +33,9 @@ class MockAsyncLM(AsyncLM):
 
         return cls(AutoTokenizer.from_pretrained(resolve(model_name)), **kwargs)
 
-    def _row(self, tokens: tuple[int, ...]) -> torch.Tensor:
-        seed = zlib.crc32(np.asarray(tokens, dtype=np.int64).tobytes())
-        logits = torch.randn(self.vocab_size, generator=torch.Generator().manual_seed(seed))
-        return torch.log_softmax(logits * 3.0, dim=-1)
+    @property
+    def forwards(self) -> int:
+        return self._runner.forwards
 
-    def _compute(self, queries: list[Query]) -> list[torch.Tensor]:
-        self.forwards += 1
-        results = []
-        for q in queries:
-            if q.targets is None:
-                results.append(self._row(q.tokens))
-            else:
-                start = len(q.tokens) - len(q.targets) + 1
-                results.append(torch.stack([
-                    self._row(q.tokens[: start + j])[t] for j, t in enumerate(q.targets)
-                ]))
-        return results
-
-    def cache_info(self) -> dict:
-        return {**super().cache_info(), "forwards": self.forwards}
+    def _row(self, tokens):
+        return self._runner.row(tuple(tokens))

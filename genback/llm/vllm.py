@@ -90,9 +90,8 @@ class AsyncVirtualLM(AsyncLM):
             out of range.
     """
 
-    def __init__(self, llm, tokenizer=None, batch_size: int = 32, timeout: float | None = None,
-                 *, batch_window: float = 0.002, max_batch_tokens: int = 4096,
-                 row_cache_size: int = 1024):
+    def __init__(self, llm, tokenizer=None, batch_size: int = 512, timeout: float | None = None,
+                 *, batch_window: float = 0.002, row_cache_size: int = 1024):
         vllm = _import_vllm()
         config = llm.llm_engine.model_config
         width = config.get_vocab_size()
@@ -108,21 +107,21 @@ class AsyncVirtualLM(AsyncLM):
             )
         super().__init__(
             tokenizer if tokenizer is not None else llm.get_tokenizer(),
+            _VLLMRunner(self),
             vocab_size=width,
             batch_size=batch_size,
             batch_window=batch_window if timeout is None else timeout,
-            max_batch_tokens=max_batch_tokens,
             row_cache_size=row_cache_size,
+            max_context_length=config.max_model_len - 1,  # room for the one generated token
         )
         self.llm = llm
-        self.max_context_length = config.max_model_len - 1  # room for the one generated token
         self._SamplingParams = vllm.SamplingParams
         self._TokensPrompt = vllm.inputs.TokensPrompt
         self._row_params = vllm.SamplingParams(
             max_tokens=1, temperature=0.0, logprobs=-1, flat_logprobs=True, detokenize=False)
         self._sampler = Batcher(
             self._sample_locked, window=self._batcher.window, max_batch_size=self.batch_size,
-            max_batch_tokens=self.max_batch_tokens, name="genback-vllm-sampler")
+            name="genback-vllm-sampler")
         registered = llm.llm_engine.vllm_config.model_config.logits_processors or ()
         self._tap = _SharedRows(width) if any(
             p == _TAP_FQCN or (p is _ROW_TAP and p is not None) for p in registered) else None
@@ -193,24 +192,12 @@ class AsyncVirtualLM(AsyncLM):
         """:meth:`AsyncLM.cache_info` plus ``forwards`` (engine calls), ``requests`` (engine
         requests), ``tokens_forwarded`` (prompt tokens not served by vLLM's prefix cache) and
         ``tap_fallbacks`` (rows the logits-processor tap could not serve)."""
-        info = super().cache_info()
-        info.update(forwards=self.forwards, requests=self.requests,
-                    tokens_forwarded=self.tokens_forwarded, tap_fallbacks=self.tap_fallbacks)
-        return info
-
-    def _clear_backend_cache(self) -> None:
-        if self.llm is not None:
-            self.llm.reset_prefix_cache()
-
-    def clear_kv_cache(self) -> None:
-        """Drop vLLM's prefix cache (rows stay)."""
-        with self._forward_lock:
-            self._clear_backend_cache()
+        return super().cache_info()
 
     def cache_kv(self, prompt_tokens, lora_name=None) -> None:
         """Evaluate ``prompt_tokens`` now, so its full KV blocks enter vLLM's prefix cache (vLLM
         evicts them by its own LRU policy; there is no pinning)."""
-        self.next_token_logprobs_sync(prompt_tokens, lora_name=lora_name)
+        super().cache_kv(prompt_tokens, lora_name=lora_name)
 
     @property
     def row_source(self) -> str:
@@ -228,15 +215,6 @@ class AsyncVirtualLM(AsyncLM):
                              f"logits_processors=[{_TAP_FQCN!r}] (from_name does that)")
         with self._forward_lock:
             self._use_tap = value == "tap"
-
-    def _check_ids(self, token_ids, name="token_ids"):
-        ids = super()._check_ids(token_ids, name)
-        if len(ids) > self.max_context_length:
-            raise ValueError(
-                f"{name} has {len(ids)} tokens, more than the model's context of "
-                f"{self.max_context_length} (vLLM max_model_len - 1)"
-            )
-        return ids
 
     # -- computation --------------------------------------------------------------------------------
 
@@ -352,7 +330,7 @@ class AsyncVirtualLM(AsyncLM):
         self._count(len(prompt))
         request = (tuple(prompt), max_tokens, tuple(sorted(eos)), float(temperature),
                    None if seed is None else int(seed))
-        return list(await self._sampler.submit(object(), request, len(prompt)))
+        return list(await self._sampler.submit(object(), request))
 
     def _sample_locked(self, requests: list[tuple]) -> list[list[int]]:
         params = [
@@ -394,6 +372,31 @@ class AsyncVirtualLM(AsyncLM):
     def reset_async_queries(self) -> int:
         """:meth:`AsyncLM.reset_async_queries`, pending ``sample`` calls included."""
         return super().reset_async_queries() + self._sampler.reset()
+
+
+class _VLLMRunner:
+    """The runner of :class:`AsyncVirtualLM` (one ``LLM.generate`` per batch)."""
+
+    def __init__(self, lm: "AsyncVirtualLM"):
+        self.lm = lm
+
+    def run(self, queries):
+        return self.lm._compute(queries)
+
+    def stats(self) -> dict:
+        lm = self.lm
+        return {"forwards": lm.forwards, "requests": lm.requests,
+                "tokens_forwarded": lm.tokens_forwarded, "tap_fallbacks": lm.tap_fallbacks}
+
+    def clear(self, keep_pinned: bool) -> None:
+        if self.lm.llm is not None:
+            self.lm.llm.reset_prefix_cache()
+
+    def pin(self, tokens) -> None:
+        self.lm._compute_locked([Query(tokens)])  # a cached row means its blocks were computed
+
+    def close(self) -> None:
+        self.lm._close_backend()
 
 
 def _prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int) -> torch.Tensor:

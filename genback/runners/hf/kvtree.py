@@ -9,7 +9,8 @@ on the Python side over Hugging Face KV tensors.
 Layout. A node's edge is a run of tokens; its ``kv`` holds the states of exactly those tokens as
 one tensor of shape ``[n_layers, 2, n_kv_heads, len(edge), head_dim]`` (index 0 keys, 1 values),
 on the model's device and dtype. The states of a context are the concatenation of the ``kv`` of
-the nodes on its path, so a batch's past is one ``torch.cat``.
+the nodes on its path; tree attention (:mod:`.tree_attention`) reads each node's ``kv`` in place,
+once for all the rows of a batch below it.
 
 Invariants. Stored tensors are never written after insertion (forwards read copies). Node
 ``bytes`` sum to ``bytes_held``. The LRU order keeps every parent more recent than its
@@ -66,13 +67,18 @@ class KVTree:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], limit: int | None = None):
+    def match(self, tokens: Sequence[int], limit: int | None = None, touch: bool = True):
         """Longest cached prefix of ``tokens``, at most ``limit`` tokens long.
 
+        Args:
+            touch: mark the matched path as recently used (False for probes that must not
+                reorder the LRU, e.g. planning and statistics).
+
         Returns:
-            ``(segments, length, holder)``: ``segments`` is the list of KV tensors whose
-            concatenation along dim 3 is the KV of ``tokens[:length]`` (the last one may be a view
-            of part of a node's edge); ``holder`` is the deepest node those segments come from
+            ``(segments, length, holder)``: ``segments`` is the list of ``(node, k, kv)`` whose
+            ``kv`` (the node's first ``k`` tokens, ``[layers, 2, kv_heads, k, head_dim]``; the last
+            one may be a view of part of a node's edge) concatenate along dim 3 to the KV of
+            ``tokens[:length]``; ``holder`` is the deepest node those segments come from
             (``acquire`` it to keep them from eviction while they are in use), or the root.
         """
         limit = len(tokens) if limit is None else min(limit, len(tokens))
@@ -88,11 +94,12 @@ class KVTree:
                 k += 1
             if k == 0:
                 break
-            segments.append(child.kv if k == len(edge) else child.kv[:, :, :, :k])
+            segments.append((child, k, child.kv if k == len(edge) else child.kv[:, :, :, :k]))
             node, pos = child, pos + k
             if k < len(edge):
                 break
-        self._touch(node)
+        if touch:
+            self._touch(node)
         return segments, pos, node
 
     def acquire(self, node: _Node) -> None:
@@ -164,6 +171,16 @@ class KVTree:
             return False
         node.pinned = True
         return True
+
+    def pinned_bytes(self) -> int:
+        """Bytes held by pinned nodes and their ancestors (what eviction can never free)."""
+        seen = set()
+        for node in self._lru:
+            if node.pinned:
+                while node is not self.root and node not in seen:
+                    seen.add(node)
+                    node = node.parent
+        return sum(node.bytes for node in seen)
 
     def find(self, tokens: Sequence[int]) -> _Node | None:
         """The node ending exactly at ``len(tokens)``, or None."""

@@ -1,0 +1,224 @@
+"""``HFRunner``: the runner of ``AsyncTransformer`` (a transformers causal LM over a KV tree).
+
+It owns the KV prefix tree (:mod:`.kvtree`), plans each batch against it (:mod:`.plan`: the work
+of a query is the tokens it forwards beyond its cached prefix), runs the forwards
+(:mod:`.forward`: tree attention, or the dense path for models without the attention interface)
+and commits every forwarded token's KV to the tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Sequence
+
+import torch
+
+from ...query import Query
+from . import tree_attention
+from .forward import dense_forward, tree_forward
+from .kvtree import KVTree
+from .plan import Row, group_rows, nesting_levels, shared_prefixes
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` in bytes: CUDA's ``mem_get_info`` free bytes, else the host's
+    ``MemAvailable`` (``/proc/meminfo``), else physical pages x page size."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim_host_memory() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise), so RSS drops after
+    the tree is cleared. A no-op where glibc's ``malloc_trim`` is missing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def tree_attention_support(model) -> str | None:
+    """None when ``model`` can run tree attention, else the reason it cannot (one line)."""
+    config = model.config
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if not (can_set() if callable(can_set) else getattr(model, "_supports_attention_backend",
+                                                          False)):
+        return f"{type(model).__name__} does not use transformers' attention interface"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention is not supported by tree attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping is not supported by tree attention"
+    return None
+
+
+class HFRunner:
+    """Batches of :class:`~genback.query.Query` through a transformers causal LM.
+
+    Args:
+        model: a causal LM in eval mode, on any device.
+        pad_id: token id used for right padding (its logits are never read).
+        kv_budget_bytes: most bytes of KV the tree holds (None: half the device's free memory at
+            construction); least recently used leaves are evicted beyond it.
+        max_batch_tokens: most new tokens (padding included) one forward computes.
+        max_forward_bytes: bound on a forward's attention working set (None: a quarter of the
+            free memory, at most 2 GiB).
+        min_shared_tokens: a cached segment under ``n`` rows is read once for all of them when
+            ``(n - 1) * length`` reaches this (see :func:`.plan.split_segments`).
+        attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
+            ``"dense"``.
+
+    Raises:
+        ValueError: an option out of range, or ``attention="tree"`` on a model without support.
+    """
+
+    def __init__(self, model, *, pad_id: int = 0, kv_budget_bytes: int | None = None,
+                 max_batch_tokens: int = 4096, max_forward_bytes: int | None = None,
+                 min_shared_tokens: int = 64, attention: str = "auto"):
+        self.model = model
+        self.device = next(model.parameters()).device
+        free = available_memory_bytes(self.device)
+        if kv_budget_bytes is None:
+            kv_budget_bytes = max(64 << 20, free // 2)
+        if max_forward_bytes is None:
+            max_forward_bytes = max(256 << 20, min(2 << 30, free // 4))
+        for name, value in (("max_batch_tokens", max_batch_tokens),
+                            ("max_forward_bytes", max_forward_bytes),
+                            ("min_shared_tokens", min_shared_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if attention not in ("auto", "tree", "dense"):
+            raise ValueError(f"attention must be 'auto', 'tree' or 'dense', got {attention!r}")
+        self.tree = KVTree(kv_budget_bytes)
+        self.pad_id = pad_id
+        self.max_batch_tokens = max_batch_tokens
+        self.max_forward_bytes = max_forward_bytes
+        self.min_shared_tokens = min_shared_tokens
+        self.layout = self._probe_layout()
+        n_layers, heads, dim, dtype, _ = self.layout
+        self.kv_token_bytes = n_layers * 2 * heads * dim * torch.empty((), dtype=dtype).element_size()
+        self._score_bytes = 4 * getattr(model.config, "num_attention_heads", heads)
+        reason = tree_attention_support(model)
+        if attention == "tree" and reason:
+            raise ValueError(f"attention='tree' is not available for this model: {reason}")
+        self.use_tree = attention != "dense" and reason is None
+        self.attention = ("tree" if self.use_tree else
+                          f"dense ({'attention=dense' if attention == 'dense' else reason})")
+        self.kernel = "flash"
+        if self.use_tree:
+            tree_attention.register()
+        self.forwards = 0
+        self.tokens_forwarded = 0  # real (unpadded) tokens
+        self.padded_tokens_forwarded = 0
+        self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
+
+    def _probe_layout(self) -> tuple:
+        """``(layers, kv_heads, head_dim, dtype, device)`` from a one-token forward."""
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device),
+                             use_cache=True)
+        layers = out.past_key_values.layers
+        k = layers[0].keys
+        return len(layers), k.shape[1], k.shape[3], k.dtype, k.device
+
+    # -- the runner protocol ----------------------------------------------------------------------
+
+    def run(self, queries: Sequence[Query]) -> list:
+        contexts = [q.tokens for q in queries]
+        shared = shared_prefixes(contexts, lambda t: self.tree.match(t, touch=False)[1])
+        # prefill prefixes that several queries share but nobody has cached, once each; nested
+        # prefixes go in rounds, shortest first, so a longer one reuses the shorter one's KV
+        for level in nesting_levels(shared):
+            self._run([Query(prefix, ()) for prefix in level])
+        return self._run(list(queries))
+
+    def stats(self) -> dict:
+        tree = self.tree
+        return {
+            "forwards": self.forwards,
+            "tokens_forwarded": self.tokens_forwarded,
+            "padded_tokens_forwarded": self.padded_tokens_forwarded,
+            "kv_bytes": tree.bytes_held,
+            "kv_budget_bytes": tree.budget_bytes,
+            "kv_nodes": len(tree),
+            "evictions": tree.evictions,
+            "kv_bytes_read": self.kv_bytes_read,
+            "attention": self.attention,
+        }
+
+    def clear(self, keep_pinned: bool) -> None:
+        self.tree.clear(keep_pinned=keep_pinned)
+        _trim_host_memory()
+
+    def pin(self, tokens: tuple[int, ...]) -> None:
+        """Compute the KV of ``tokens`` (what is not cached) and pin it.
+
+        Raises:
+            ValueError: the prompt's KV, with what is pinned already, exceeds the KV budget.
+        """
+        node = self.tree.find(tokens)
+        if node is None or not node.pinned:
+            need = len(tokens) * self.kv_token_bytes
+            pinned = self.tree.pinned_bytes()
+            if pinned + need > self.tree.budget_bytes:
+                raise ValueError(
+                    f"prompt_tokens ({len(tokens)} tokens) need {need:,} bytes of KV; with "
+                    f"{pinned:,} bytes pinned already that exceeds kv_budget_bytes="
+                    f"{self.tree.budget_bytes:,}: raise the budget or pin a shorter prompt")
+        try:
+            self._run([Query(tokens, ())], evict=False)
+            if self.tree.find(tokens) is None:  # cached, but ending inside a node's edge: split
+                n_layers, heads, dim, dtype, dev = self.layout
+                empty = torch.empty((n_layers, 2, heads, 0, dim), dtype=dtype, device=dev)
+                self.tree.insert(tokens, len(tokens), empty)
+            self.tree.pin(tokens)
+        finally:
+            self.tree.evict()
+
+    def close(self) -> None:
+        self.tree.clear()
+        _trim_host_memory()
+
+    # -- planning and forwards ----------------------------------------------------------------------
+
+    def _run(self, queries: list[Query], evict: bool = True) -> list:
+        rows: list[Row] = []
+        try:
+            for q in queries:
+                # logits are needed from position len(tokens) - n_outputs on, so at least the
+                # tokens from there are forwarded even when their KV is cached
+                segments, cached, holder = self.tree.match(q.tokens, len(q.tokens) - q.n_outputs)
+                self.tree.acquire(holder)
+                rows.append(Row(q, segments, cached, holder))
+            todo = [r for r in rows if r.n_new > 0]  # a KV-only query may be cached already
+            for group in group_rows(todo, self.max_batch_tokens, self.max_forward_bytes,
+                                    self._score_bytes):
+                self._forward(group)
+            for r in todo:
+                self.tree.insert(r.query.tokens, r.cached, r.new_kv)
+                r.new_kv = None
+        finally:
+            for r in rows:
+                self.tree.release(r.holder)
+            if evict:
+                self.tree.evict()
+        return [r.result for r in rows]
+
+    def _forward(self, group: list[Row]) -> None:
+        if self.use_tree:
+            read = tree_forward(self.model, group, pad_id=self.pad_id, layout=self.layout,
+                                min_shared_tokens=self.min_shared_tokens, kernel=self.kernel)
+        else:
+            read = dense_forward(self.model, group, pad_id=self.pad_id, layout=self.layout)
+        n_new = [r.n_new for r in group]
+        self.forwards += 1
+        self.tokens_forwarded += sum(n_new)
+        self.padded_tokens_forwarded += len(group) * max(n_new)
+        self.kv_bytes_read += read

@@ -1,0 +1,59 @@
+"""The mock runner: deterministic pseudo-random rows keyed by the whole context, no model.
+
+Each row is ``log_softmax(3 * randn(V))`` drawn from a ``torch.Generator`` seeded with the CRC-32
+of the context's ids (int64 bytes), so equal contexts get equal rows and any two different
+contexts almost surely differ.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..query import Query
+
+
+class MockRunner:
+    """Runner of :class:`~genback.llm.MockAsyncLM` over a vocabulary of ``vocab_size`` tokens."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.forwards = 0
+        self.tokens_forwarded = 0
+
+    def row(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        """float32 CPU ``[V]``: the mock's next-token log-probs after ``tokens``."""
+        seed = zlib.crc32(np.asarray(tokens, dtype=np.int64).tobytes())
+        logits = torch.randn(self.vocab_size, generator=torch.Generator().manual_seed(seed))
+        return torch.log_softmax(logits * 3.0, dim=-1)
+
+    def run(self, queries: Sequence[Query]) -> list:
+        self.forwards += 1
+        results = []
+        for q in queries:
+            self.tokens_forwarded += len(q.tokens)
+            if q.targets is None:
+                results.append(self.row(q.tokens))
+            elif q.targets == ():
+                results.append(None)
+            else:
+                start = len(q.tokens) - len(q.targets) + 1
+                results.append(torch.stack([
+                    self.row(q.tokens[: start + j])[t] for j, t in enumerate(q.targets)
+                ]))
+        return results
+
+    def stats(self) -> dict:
+        return {"forwards": self.forwards, "tokens_forwarded": self.tokens_forwarded}
+
+    def clear(self, keep_pinned: bool) -> None:
+        pass
+
+    def pin(self, tokens: tuple[int, ...]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
