@@ -36,6 +36,9 @@ class AsyncTransformer(AsyncLM):
         attention: ``"auto"`` (tree attention when the model uses transformers' attention
             interface, else the dense path; ``cache_info()["attention"]`` says which and why),
             ``"tree"`` or ``"dense"``.
+        min_shared_tokens: tree attention reads a cached segment under ``n`` rows of a forward
+            once for all of them when ``(n - 1) * length`` reaches this many tokens; shorter
+            segments are gathered per row (cheaper than a separate attention product).
 
     Rows are float32 on the CPU, whatever the model's dtype and device.
 
@@ -56,6 +59,7 @@ class AsyncTransformer(AsyncLM):
         kv_budget_bytes: int | None = None,
         row_cache_size: int = 1024,
         attention: str = "auto",
+        min_shared_tokens: int = 64,
     ):
         self.model = hf_model.eval()
         self.device = next(hf_model.parameters()).device
@@ -65,7 +69,7 @@ class AsyncTransformer(AsyncLM):
             raise ValueError(f"kv_budget_bytes must be a positive int, got {kv_budget_bytes!r}")
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
-                          attention=attention)
+                          attention=attention, min_shared_tokens=min_shared_tokens)
         super().__init__(
             hf_tokenizer,
             runner,
