@@ -1,6 +1,9 @@
 """The ``genback`` command line: ``models``, ``logprobs``, ``chars``, ``sample``, ``eval``.
 
-Everything runs offline on the embedded default model unless ``--model`` names another.
+Everything runs offline on the embedded default model unless ``--model`` names another. Mistakes
+in the arguments (an empty prompt, ``--top-k 0``, an unknown model, a backend that is not
+installed, ...) end with one line naming the option and the bad value, exit status 2, and no
+traceback unless ``--debug`` is given; see :func:`main`.
 """
 
 from __future__ import annotations
@@ -9,19 +12,156 @@ import argparse
 import asyncio
 import math
 import sys
+import textwrap
 import time
 
 from .registry import DEFAULT_MODEL, EMBEDDED_MODELS, is_ready, model_dir
 
+DESCRIPTION = f"""\
+genback: language-model probabilities for probabilistic programs, on your machine.
+
+Each command loads a model (by default the embedded {DEFAULT_MODEL}, which needs no network),
+asks it a question and prints the answer:
+
+  models     list the embedded models and whether each is ready
+  logprobs   the most likely next tokens after a prompt
+  chars      the most likely next characters after a prompt (token-character trie)
+  sample     run several samplers at once and show how their queries were batched
+  eval       score a local JSONL task (multiple choice, perplexity, generation)
+"""
+
+EPILOG = """\
+examples:
+  genback logprobs "The capital of France is"
+  genback sample "Once upon a time" --particles 16 --max-tokens 32
+  genback sample "Once upon a time" --greedy --max-tokens 16
+  genback chars "The capital of Fr" --top-k 5
+  genback eval tasks.jsonl --output results.json
+
+Run 'genback COMMAND --help' for a command's options. Offline: embedded aliases and local
+folders never touch the network; a Hub id 'org/name' loads from the local Hugging Face cache,
+and fails at once with advice when it is not there and the Hub is off (HF_HUB_OFFLINE=1) or
+unreachable. Add --debug to any command to see the Python traceback of an error.
+"""
+
+EVAL_FORMATS = """\
+task file: one JSON object per line (JSONL); the keys of the lines decide the kind of task,
+and every line of a file must be of the same kind:
+
+  multiple choice   {"context": "Question: 2+2=?\\nAnswer:", "choices": [" 4", " 5"], "answer": 0}
+      "answer" is the index of the right choice or the choice itself. Each choice is scored as
+      the continuation of the context, appended as is (put the leading space in the choice).
+      Prints acc (the choice with the highest log-likelihood is right) and acc_norm (highest
+      log-likelihood per character of the choice).
+
+  perplexity        {"text": "The quick brown fox jumps over the lazy dog."}
+      Prints the total log-likelihood of all texts, token_perplexity, word_perplexity (per
+      whitespace-separated word), byte_perplexity and bits_per_byte (per UTF-8 byte).
+
+  generation        {"prompt": "Q: What is the capital of France?\\nA:", "target": " Paris",
+                     "stop": ["\\n"], "max_new_tokens": 8}
+      or {"messages": [{"role": "user", "content": "..."}], ...} for a chat-templated prompt.
+      Optional keys: "target" (scored by exact match after stripping whitespace), "stop" (list of
+      strings), "max_new_tokens" (else --max-new-tokens), "do_sample", "temperature", "seed",
+      "top_k", "top_p" (greedy decoding unless "do_sample" is true). Prints exact_match (the
+      stripped text equals the stripped target) over the lines that have a target.
+
+--output FILE writes {"summary": {...}, "records": [one object per line]} as JSON.
+
+example:
+  genback eval tests/data/engine/mc.jsonl --limit 20
+"""
+
+
+class UsageError(Exception):
+    """Bad input found after parsing (a model that cannot be loaded, ...): exit status 2."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``genback logprobs: error: argument --top-k: ...``."""
+
+    def error(self, message):
+        self.exit(2, _one_line(self.prog, message, f" (see '{self.prog} --help')"))
+
+
+def _one_line(prog: str, message: str, hint: str = "") -> str:
+    text = " ".join(str(message).split())
+    return f"{prog}: error: {text}{hint}\n"
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "is empty: give the text to continue, e.g. \"The capital of France is\"")
+    return text
+
+
+def _check_model_name(args) -> None:
+    """Fail fast, before torch is imported, on a model name that cannot be loaded."""
+    from .registry import resolve
+
+    if args.model in EMBEDDED_MODELS:
+        if not is_ready(args.model):
+            print(f"first use of {args.model}: converting it once into {model_dir(args.model)} "
+                  "(about a minute) ...", file=sys.stderr, flush=True)
+        return
+    try:
+        resolve(args.model)  # a folder or Hub id: no conversion, errors at once (offline too)
+    except (TypeError, ValueError, OSError) as exc:
+        raise UsageError(f"argument --model: {exc}") from exc
+
 
 def _load(args):
+    _check_model_name(args)
     import torch
 
     torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weights load in seconds; keep stderr for messages
     from .llm import load_model_by_name
 
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return load_model_by_name(args.model, backend=args.backend)
+    print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, flush=True)
+    try:
+        return load_model_by_name(args.model, backend=args.backend)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is reported as bad input
+        raise UsageError(_load_failure(args, exc)) from exc
+
+
+def _load_failure(args, exc: BaseException) -> str:
+    if isinstance(exc, ImportError):
+        return f"argument --backend: {args.backend!r} is not available here: {exc}"
+    kind = "" if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: "
+    return (f"argument --model: {args.model!r} could not be loaded with --backend {args.backend}: "
+            f"{kind}{exc}")
 
 
 def cmd_models(args) -> int:
@@ -33,11 +173,18 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _encode(lm, prompt: str) -> list[int]:
+    ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
+    if not ids:
+        raise UsageError(f"argument prompt: {prompt!r} encodes to no tokens")
+    return ids
+
+
 def cmd_logprobs(args) -> int:
     lm = _load(args)
-    ids = lm.tokenizer.encode(args.prompt, add_special_tokens=False)
+    ids = _encode(lm, args.prompt)
     row = lm.next_token_logprobs_sync(ids)
-    values, indices = row.topk(args.top_k)
+    values, indices = row.topk(min(args.top_k, row.shape[-1]))
     print(f"prompt: {args.prompt!r} ({len(ids)} tokens)")
     print(f"{'rank':>4}  {'token id':>8}  {'prob':>8}  {'logprob':>9}  token")
     for rank, (lp, tid) in enumerate(zip(values.tolist(), indices.tolist()), 1):
@@ -107,7 +254,7 @@ def cmd_chars(args) -> int:
     from .trie import TokenCharacterTrie
 
     lm = _load(args)
-    ids = lm.tokenizer.encode(args.prompt, add_special_tokens=False)
+    ids = _encode(lm, args.prompt)
     probs = lm.next_token_logprobs_sync(ids).double().exp().numpy()
     trie = TokenCharacterTrie(lm.byte_vocab)
     mass = trie.weight_sum(probs)
@@ -133,14 +280,23 @@ def cmd_chars(args) -> int:
 
 def cmd_sample(args) -> int:
     lm = _load(args)
-    ids = lm.tokenizer.encode(args.prompt, add_special_tokens=False)
+    ids = _encode(lm, args.prompt)
     eos = [lm.tokenizer.eos_token_id] if lm.tokenizer.eos_token_id is not None else []
-    seed = args.seed
+
+    async def greedy():  # the most likely token at each step (every particle gets the same text)
+        out: list[int] = []
+        for _ in range(args.max_tokens):
+            token = int((await lm.next_token_logprobs(ids + out)).argmax())
+            if token in eos:
+                break
+            out.append(token)
+        return out
 
     async def run():
-        return await lm.batch_sample(
-            [ids] * args.particles, args.max_tokens, eos, temperature=args.temperature, seed=seed
-        )
+        if args.greedy:
+            return await asyncio.gather(*(greedy() for _ in range(args.particles)))
+        return await lm.batch_sample([ids] * args.particles, args.max_tokens, eos,
+                                     temperature=args.temperature, seed=args.seed)
 
     start = time.perf_counter()
     completions = asyncio.run(run())
@@ -149,35 +305,42 @@ def cmd_sample(args) -> int:
         text = (args.prompt + lm.tokenizer.decode(tokens)).replace("\n", "\\n")
         print(f"[{i:>2}] {text}")
     info = lm.cache_info()
+    how = "greedy" if args.greedy else f"temperature {args.temperature:g}, seed {args.seed}"
     print()
-    print(f"particles {args.particles}, max tokens {args.max_tokens}, wall time {wall:.2f} s")
+    print(f"particles {args.particles}, max tokens {args.max_tokens}, {how}, wall time {wall:.2f} s")
     print(f"queries {info['queries']} (row hits {info['row_hits']}), batches {info['batches']}, "
           f"forwards {info.get('forwards', 'n/a')}, "
           f"mean batch size {info['batched_queries'] / max(1, info['batches']):.1f}")
     if "tokens_forwarded" in info:
         print(f"tokens forwarded {info['tokens_forwarded']} vs tokens in all queries "
               f"{info['tokens_queried']} ({info['tokens_queried'] / max(1, info['tokens_forwarded']):.1f}x "
-              f"saved by the KV prefix tree), KV held {info['kv_bytes'] / 2**20:.1f} MiB")
+              f"saved by the KV prefix tree)"
+              + (f", KV held {info['kv_bytes'] / 2**20:.1f} MiB" if "kv_bytes" in info else ""))
     lm.close()
     return 0
 
 
 def cmd_eval(args) -> int:
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from .engine import GenbackEngine
     from .engine.tasks import load_task, run_task, write_records
 
     try:
         kind, rows = load_task(args.task_file, kind=args.kind, limit=args.limit)
     except (OSError, ValueError) as exc:
-        print(f"genback eval: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"argument TASK_FILE: {exc}") from exc
+    _check_model_name(args)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from .engine import GenbackEngine
+
     print(f"task {args.task_file}: {kind}, {len(rows)} lines", file=sys.stderr, flush=True)
     print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, flush=True)
     engine = GenbackEngine(backend=args.backend, max_length=args.max_length)
-    with engine.build(args.model) as session:
+    try:
+        session = engine.build(args.model)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is reported as bad input
+        raise UsageError(_load_failure(args, exc)) from exc
+    with session:
         start = time.perf_counter()
         summary, records = run_task(session, kind, rows, max_new_tokens=args.max_new_tokens,
                                     progress=not args.no_progress)
@@ -197,46 +360,111 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("genback")
+    except (ImportError, PackageNotFoundError):
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="genback", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The argument parser of ``genback`` (one subcommand per ``cmd_*`` function)."""
+    parser = _Parser(prog="genback", description=DESCRIPTION, epilog=EPILOG, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"genback {_version()}",
+                        help="print genback's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands (run 'genback COMMAND --help' for its options)")
 
-    def model_opts(p):
-        p.add_argument("--model", default=DEFAULT_MODEL,
-                       help=f"embedded alias, local HF folder or Hub id (default {DEFAULT_MODEL})")
-        p.add_argument("--backend", default="hf", choices=["hf", "vllm", "mock"],
-                       help="model backend (default hf)")
-        p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of an error instead of one line (default: off)")
 
-    sub.add_parser("models", help="list the embedded model aliases and whether each is ready")
-    p = sub.add_parser("logprobs", help="top next tokens after a prompt")
-    p.add_argument("prompt")
-    p.add_argument("--top-k", type=int, default=10)
-    model_opts(p)
-    p = sub.add_parser("chars", help="next-character distribution implied by the next-token distribution")
-    p.add_argument("prompt")
-    p.add_argument("--top-k", type=int, default=10)
-    p.add_argument("--bytes", action="store_true", help="group by first byte instead of whole UTF-8 characters")
-    model_opts(p)
-    p = sub.add_parser("sample", help="run concurrent samplers and print batching statistics")
-    p.add_argument("prompt")
-    p.add_argument("--particles", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="particle i uses seed + i (default 0)")
-    model_opts(p)
-    p = sub.add_parser("eval", help="run a multiple-choice, perplexity or generation task from a JSONL file")
-    p.add_argument("task_file", help="JSONL task (formats: see genback.engine.tasks)")
+    backends = ["hf", "vllm", "mock"]
+    model_opts = _Parser(add_help=False)
+    model_opts.add_argument(
+        "--model", default=DEFAULT_MODEL, metavar="NAME",
+        help="embedded alias (see 'genback models'), a local Hugging Face folder, or a Hub id "
+             "'org/name' from the local HF cache (default: %(default)s)")
+    model_opts.add_argument(
+        "--backend", default="hf", choices=backends,
+        help="hf: transformers on this machine; vllm: a vLLM engine (needs vLLM installed); "
+             "mock: made-up (deterministic pseudo-random) log-probs over the model's real "
+             "tokenizer, for trying the commands without computing "
+             "(default: %(default)s)")
+    model_opts.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
+                            help="torch CPU threads (default: %(default)s)")
+
+    def add(name, help, description, parents=(), epilog=None):
+        description = textwrap.fill(description, width=96)
+        return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                              parents=[*parents, common], formatter_class=_Formatter)
+
+    def prompt_arg(p, what):
+        p.add_argument("prompt", type=_prompt, metavar="PROMPT",
+                       help=f"the text {what} (quote it; must not be empty)")
+
+    add("models", "list the embedded model aliases and whether each is ready",
+        "List the embedded model aliases, whether each is converted and ready to load in seconds, "
+        "and its cache folder.")
+
+    p = add("logprobs", "the most likely next tokens after a prompt",
+            "Print the K most likely next tokens after PROMPT with their probabilities "
+            "(one forward of the model).", [model_opts])
+    prompt_arg(p, "to continue")
+    p.add_argument("--top-k", type=_int_at_least(1), default=10, metavar="K",
+                   help="how many tokens to print, most likely first (default: %(default)s)")
+
+    p = add("chars", "the most likely next characters after a prompt",
+            "Print the K most likely next characters after PROMPT: the probability of a character "
+            "is the total next-token probability of the tokens whose text starts with it, summed "
+            "over the token-character trie.", [model_opts])
+    prompt_arg(p, "to continue")
+    p.add_argument("--top-k", type=_int_at_least(1), default=10, metavar="K",
+                   help="how many characters to print, most likely first (default: %(default)s)")
+    p.add_argument("--bytes", action="store_true",
+                   help="group by first byte instead of whole UTF-8 characters (default: off)")
+
+    p = add("sample", "run concurrent samplers and print batching statistics",
+            "Continue PROMPT with N particles at once, one token per step; their concurrent "
+            "queries are batched and share the KV of their common prefix. Prints every "
+            "completion, then forwards, batch sizes and tokens forwarded.", [model_opts])
+    prompt_arg(p, "every particle continues")
+    p.add_argument("--particles", type=_int_at_least(1), default=16, metavar="N",
+                   help="how many completions to draw concurrently (default: %(default)s)")
+    p.add_argument("--max-tokens", type=_int_at_least(1), default=32, metavar="N",
+                   help="most new tokens per particle; a particle also stops at the end-of-sequence "
+                        "token (default: %(default)s)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--temperature", type=_positive_float, default=1.0, metavar="T",
+                     help="sample from softmax(logprobs / T): below 1 sharper, above 1 flatter "
+                          "(default: %(default)s)")
+    how.add_argument("--greedy", action="store_true",
+                     help="take the most likely token at each step instead of sampling "
+                          "(every particle then writes the same text) (default: off)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, metavar="S",
+                   help="particle i samples with seed S + i, so runs repeat (default: %(default)s)")
+
+    p = add("eval", "score a multiple-choice, perplexity or generation task from a JSONL file",
+            "Run a local task file on a model and print its metrics.", [model_opts],
+            epilog=EVAL_FORMATS)
+    p.add_argument("task_file", metavar="TASK_FILE",
+                   help="the JSONL task file (formats below)")
     p.add_argument("--kind", choices=["multiple_choice", "perplexity", "generation"],
-                   help="task kind (default: from the keys of the lines)")
-    p.add_argument("--limit", type=int, default=None, help="use the first N lines")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="generation: default most new tokens per prompt (default 64)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="model window in tokens (default: the model's)")
-    p.add_argument("--output", default=None, help="write per-line results as JSON here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    model_opts(p)
+                   help="task kind (default: decided by the keys of the lines)")
+    p.add_argument("--limit", type=_int_at_least(1), default=None, metavar="N",
+                   help="use only the first N lines (default: all)")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=64, metavar="N",
+                   help="generation: most new tokens for lines without \"max_new_tokens\" "
+                        "(default: %(default)s)")
+    p.add_argument("--max-length", type=_int_at_least(1), default=None, metavar="N",
+                   help="model window in tokens (default: the model's own)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="write the summary and per-line results as JSON here (default: not written)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
     return parser
 
 
@@ -245,8 +473,33 @@ COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "chars": cmd_chars, 
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return COMMANDS[args.command](args)
+    """Run the command line; returns the exit status.
+
+    0 on success; 2 for bad input (argparse errors, an empty prompt, a model or backend that
+    cannot be loaded), printed as one line ``genback CMD: error: ...``; 1 for any other error,
+    also one line; 130 when interrupted. ``--debug`` re-raises instead (full traceback).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prog = f"genback {args.command}"
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        if args.debug:
+            raise
+        sys.stderr.write(_one_line(prog, exc, f" (see '{prog} --help')"))
+        return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        sys.stderr.write(f"{prog}: interrupted\n")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - one line for users; --debug shows the traceback
+        if args.debug:
+            raise
+        sys.stderr.write(_one_line(prog, f"{type(exc).__name__}: {exc}",
+                                   " (run again with --debug for the traceback)"))
+        return 1
 
 
 if __name__ == "__main__":

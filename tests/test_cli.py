@@ -34,3 +34,44 @@ def test_sample_prints_completions_and_statistics():
     stats = re.search(r"tokens forwarded (\d+) vs tokens in all queries (\d+)", out)
     assert stats and int(stats.group(1)) < int(stats.group(2))
     assert re.search(r"forwards \d+, mean batch size [\d.]+", out)
+
+
+@pytest.mark.slow
+def test_sample_greedy_takes_the_most_likely_token(smol_lm):
+    out = run("sample", "The capital of France is", "--greedy", "--particles", "2", "--max-tokens", "3")
+    lines = re.findall(r"^\[ ?\d\] (.*)$", out, flags=re.M)
+    assert len(lines) == 2 and lines[0] == lines[1]  # greedy: every particle writes the same text
+    assert lines[0].startswith("The capital of France is Paris")
+    assert "greedy" in out
+
+
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    assert run("--version").strip() == f"genback {version('genback')}"
+
+
+def test_help_is_plain_text_and_every_option_has_help_and_default():
+    from genback.cli import build_parser
+
+    parser = build_parser()
+    top = run("--help")
+    assert "``" not in top and ":class:" not in top  # plain text, not reStructuredText
+    subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(subparsers.choices) == {"models", "logprobs", "chars", "sample", "eval"}
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.dest in ("help",):
+                continue
+            assert action.help, f"genback {name} {action.option_strings or action.dest} has no help"
+            if action.option_strings:  # options state their default
+                assert "default" in action.help, f"genback {name} {action.option_strings}: no default"
+        assert "``" not in sub.format_help()
+
+
+def test_eval_help_describes_the_task_formats():
+    out = run("eval", "--help")
+    for key in ('"context"', '"choices"', '"answer"', '"text"', '"prompt"', '"messages"',
+                '"target"', '"stop"', '"max_new_tokens"', "acc_norm", "bits_per_byte", "exact_match"):
+        assert key in out, key
+    assert "genback.engine.tasks" not in out  # the formats are in the help, not in a module
