@@ -233,11 +233,14 @@ def resolve(name: str | os.PathLike) -> str:
 
     ``name`` may be an embedded alias (converted on first use), a local Hugging Face folder, or a
     Hub id ``org/name`` (returned unchanged; loading it needs network access or a populated HF
-    cache). A bare name that is neither an alias nor a folder is an error at once (no network).
+    cache). A bare name that is neither an alias nor a folder is an error at once (no network), and
+    so is a Hub id that is not cached while the Hub is off or unreachable
+    (:func:`check_hub_id_available`, well under a second).
 
     Raises:
         TypeError: ``name`` is not a string or path.
-        ValueError: ``name`` is empty, an unknown alias, or a local path that does not exist.
+        ValueError: ``name`` is empty, an unknown alias, a local path that does not exist, or a
+            Hub id that cannot be had offline.
     """
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"model name must be a str or path, got {type(name).__name__}: {name!r}")
@@ -258,4 +261,84 @@ def resolve(name: str | os.PathLike) -> str:
             f"model {name!r} is neither an embedded alias {sorted(EMBEDDED_MODELS)}, "
             "nor an existing local folder, nor a Hub id of the form 'org/name'"
         )
+    check_hub_id_available(name)
     return name
+
+
+# -- offline: a Hub id that cannot be had fails at once -------------------------------------------
+
+_TRUE = {"1", "on", "yes", "true"}
+
+
+def hub_offline_reason(timeout: float = 0.5) -> str | None:
+    """Why the Hugging Face Hub cannot be used now, or ``None`` when it may be.
+
+    ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to 1/on/yes/true is a reason. Otherwise a
+    TCP connection to the Hub endpoint (``HF_ENDPOINT``, default ``huggingface.co:443``) is tried
+    for at most ``timeout`` seconds, name lookup included; with an HTTP(S) proxy configured no
+    probe is made (the proxy decides) and ``None`` is returned.
+    """
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _TRUE:
+            return f"{var}={os.environ[var]} is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    outcome: list = []
+
+    def probe():  # name lookup cannot be given a timeout: run it on a daemon thread
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(f"{host}:{port} is unreachable ({exc})")
+
+    thread = threading.Thread(target=probe, daemon=True, name="genback-hub-probe")
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"{host}:{port} did not answer within {timeout:g} s"
+    return outcome[0]
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_hub_id_available(repo_id: str) -> None:
+    """Fail at once when Hub id ``repo_id`` is not in the local HF cache and the Hub cannot be used.
+
+    Without this, transformers retries an unreachable Hub for tens of seconds before failing.
+    Returns quietly when the model is cached (it loads offline) or the Hub may be reachable.
+
+    Raises:
+        ValueError: the model is not cached and the Hub is unreachable or disabled; the message
+            says how to point genback at a local folder or cache.
+    """
+    if _in_hf_cache(repo_id):
+        return
+    reason = hub_offline_reason()
+    if reason is None:
+        return
+    try:
+        from huggingface_hub import constants
+
+        cache = constants.HF_HUB_CACHE
+    except ImportError:
+        cache = "~/.cache/huggingface/hub"
+    raise ValueError(
+        f"model {repo_id!r} is a Hub id that is not in the local Hugging Face cache ({cache}) and the "
+        f"Hub cannot be used ({reason}); pass a local folder holding the model instead (config.json, "
+        f"tokenizer and weights, e.g. saved by `hf download {repo_id} --local-dir DIR` "
+        "on a connected machine), or point HF_HUB_CACHE (or HF_HOME) at a cache that holds it, "
+        f"or use an embedded alias {sorted(EMBEDDED_MODELS)}"
+    )

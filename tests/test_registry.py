@@ -60,7 +60,7 @@ def test_resolution_rules(tmp_path, monkeypatch):
     assert model_dir("smollm2-135m") == tmp_path / "models" / "smollm2-135m"
     assert not is_ready("smollm2-135m")
     assert resolve(str(tmp_path)) == str(tmp_path)  # an existing local folder
-    assert resolve("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"  # a Hub id
+    # Hub ids (returned unchanged when cached or the Hub is reachable): tests/test_offline.py
     with pytest.raises(ValueError, match="must be non-empty"):
         resolve("  ")
     with pytest.raises(ValueError, match="unknown model alias 'gpt-17'"):
