@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -167,3 +168,120 @@ async def test_aclose_is_idempotent_and_fails_later_queries(tiny_hf, gpt2_tok):
         await lm.next_token_logprobs([1])
     with pytest.raises(RuntimeError, match="closed"):
         lm.next_token_logprobs_sync([1])
+
+
+@pytest.mark.parametrize("window", [float("inf"), float("nan"), -1.0, True, "0.1"])
+def test_batch_window_must_be_finite(tiny_hf, gpt2_tok, window):
+    with pytest.raises(ValueError, match="batch_window must be a finite number"):
+        AsyncTransformer(tiny_hf, gpt2_tok, batch_window=window)
+
+
+async def test_reset_from_another_thread_while_queries_arrive_leaves_nobody_hanging(
+        tiny_hf, gpt2_tok):
+    """Every caller ends (answered exactly or failed with BatcherClosed) while another thread
+    resets pending queries again and again."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.001, batch_size=16)
+    stop = threading.Event()
+
+    def resetter():
+        while not stop.is_set():
+            lm.reset_async_queries()
+
+    thread = threading.Thread(target=resetter)
+    thread.start()
+    try:
+        contexts = [[i % 97, i % 89 + 1] for i in range(2000)]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(lm.next_token_logprobs(c) for c in contexts), return_exceptions=True), timeout=300)
+    finally:
+        stop.set()
+        thread.join()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(r, BatcherClosed) for r in failed)
+    answered = [(c, r) for c, r in zip(contexts, results) if not isinstance(r, BaseException)]
+    for c, r in answered[:20]:
+        assert float((r - lm.next_token_logprobs_uncached(c)).abs().max()) <= 1e-5
+    await lm.aclose()
+
+
+async def test_a_closed_model_fails_queries_whose_rows_are_cached(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    await lm.next_token_logprobs([1, 2])
+    await lm.aclose()
+    with pytest.raises(BatcherClosed):
+        await lm.next_token_logprobs([1, 2])
+    with pytest.raises(BatcherClosed):
+        lm.next_token_logprobs_sync([1, 2])
+
+
+async def test_clear_cache_keeps_the_pinned_prompt(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    try:
+        prompt = list(range(40, 70))
+        lm.cache_kv(prompt)
+        await lm.next_token_logprobs(prompt + [1, 2, 3])
+        lm.clear_cache()
+        assert lm.cache_info()["kv_bytes"] == len(prompt) * 2 * 2 * 64 * 4
+        before = lm.cache_info()["tokens_forwarded"]
+        await lm.next_token_logprobs(prompt + [9])
+        assert lm.cache_info()["tokens_forwarded"] - before == 1
+    finally:
+        await lm.aclose()
+
+
+async def test_token_logprobs_longer_than_the_window_is_refused(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)  # n_positions = 512
+    try:
+        with pytest.raises(ValueError, match=r"context_ids \+ continuation_ids has 600 tokens"):
+            await lm.token_logprobs([1] * 300, [2] * 300)
+        assert lm.cache_info()["forwards"] == 0
+    finally:
+        await lm.aclose()
+
+
+async def test_cache_kv_errors_name_prompt_tokens_and_a_pin_that_cannot_fit(tiny_hf, gpt2_tok):
+    per_token = 2 * 2 * 64 * 4
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, kv_budget_bytes=20 * per_token)
+    try:
+        with pytest.raises(ValueError, match="prompt_tokens must be non-empty"):
+            lm.cache_kv([])
+        with pytest.raises(TypeError, match=r"prompt_tokens\[1\]"):
+            lm.cache_kv([1, "a"])
+        with pytest.raises(ValueError, match="exceeds kv_budget_bytes"):
+            lm.cache_kv(list(range(100, 130)))
+        lm.cache_kv(list(range(100, 115)))  # fits
+        with pytest.raises(ValueError, match="pinned already"):
+            lm.cache_kv(list(range(200, 210)))
+        before = lm.cache_info()["tokens_forwarded"]
+        await lm.next_token_logprobs(list(range(100, 115)) + [1])
+        assert lm.cache_info()["tokens_forwarded"] - before == 1
+    finally:
+        await lm.aclose()
+
+
+async def test_batch_size_set_after_construction_takes_effect(tiny_hf, gpt2_tok):
+    """With a window of 1,000 s, two queries are answered only if the batch is full at two."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=1000.0)
+    lm.batch_size = 2
+    try:
+        await asyncio.wait_for(asyncio.gather(lm.next_token_logprobs([1]),
+                                              lm.next_token_logprobs([2])), timeout=120)
+        assert lm.cache_info()["batches"] == 1
+        with pytest.raises(ValueError, match="batch_size must be a positive int"):
+            lm.batch_size = 0
+    finally:
+        await lm.aclose()
+
+
+def test_match_probes_do_not_reorder_the_lru():
+    from genback.runners.hf.kvtree import KVTree
+
+    tree = KVTree(10_000)
+    kv = lambda n: torch.zeros((1, 2, 1, n, 1))  # noqa: E731
+    tree.insert((1, 2), 0, kv(2))
+    tree.insert((3, 4), 0, kv(2))
+    order = list(tree._lru)
+    tree.match((1, 2), touch=False)
+    assert list(tree._lru) == order
+    tree.match((1, 2))
+    assert list(tree._lru) != order
