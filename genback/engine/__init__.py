@@ -5,7 +5,9 @@
 ``loglikelihood_rolling``, ``gc``, ``close`` and ``describe_execution`` (plus ``stream`` and
 ``agenerate`` for async callers). The harness adapters are imported lazily, so genback does not
 need the harnesses: ``GenbackLM`` (lm-eval model ``"genback"``, needs ``lm_eval``) and
-``GenbackEvalutionEngine`` (needs ``evalution``).
+``GenbackEvalutionEngine`` (needs ``evalution``); both come with the ``[eval]`` extra
+(``pip install "genback[eval]"``), and without it importing them raises an ``ImportError`` that
+says so.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ __all__ = [
     "RollingLoglikelihoodOutput",
     # lazily imported (not in ``import *``): GenbackLM, register_lm_eval, GenbackEvalutionEngine
 ]
+
+EVAL_EXTRA = 'pip install "genback[eval]"'
+
+
+def missing_extra(part: str, package: str, module: str, exc: ImportError) -> ImportError:
+    """The ``ImportError`` for a harness adapter whose package (from the ``[eval]`` extra) is missing.
+
+    Names the part, the package, the extra and the pip command; ``name`` is the missing module.
+    """
+    err = ImportError(f"{part} needs {package}, which the [eval] extra installs: {EVAL_EXTRA} "
+                      f"(importing {module!r} failed: {exc})")
+    err.name = module
+    return err
 
 
 def __getattr__(name):  # the harness adapters import their harness: only on demand

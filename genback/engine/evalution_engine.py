@@ -13,7 +13,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from evalution.engines import base as ev
+from . import missing_extra
+
+try:
+    from evalution.engines import base as ev
+except ImportError as _exc:
+    raise missing_extra("genback.engine.GenbackEvalutionEngine", "Evalution (PyPI: evalution)",
+                        "evalution", _exc) from _exc
 
 from .engine import GenbackEngine, model_name
 from .session import GenbackSession

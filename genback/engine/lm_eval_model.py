@@ -24,9 +24,16 @@ from __future__ import annotations
 
 import logging
 
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import model_registry
 from tqdm import tqdm
+
+from . import missing_extra
+
+try:
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import model_registry
+except ImportError as _exc:
+    raise missing_extra("genback.engine.GenbackLM (the lm-eval model 'genback')",
+                        "lm-evaluation-harness (PyPI: lm-eval)", "lm_eval", _exc) from _exc
 
 from .encoding import encode_text, prefix_token_id
 from .engine import GenbackEngine
