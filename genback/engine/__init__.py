@@ -37,15 +37,15 @@ __all__ = [
     # lazily imported (not in ``import *``): GenbackLM, register_lm_eval, GenbackEvalutionEngine
 ]
 
-EVAL_EXTRA = 'pip install "genback[eval]"'
+_EVAL_EXTRA = 'pip install "genback[eval]"'
 
 
-def missing_extra(part: str, package: str, module: str, exc: ImportError) -> ImportError:
+def _missing_extra(part: str, package: str, module: str, exc: ImportError) -> ImportError:
     """The ``ImportError`` for a harness adapter whose package (from the ``[eval]`` extra) is missing.
 
     Names the part, the package, the extra and the pip command; ``name`` is the missing module.
     """
-    err = ImportError(f"{part} needs {package}, which the [eval] extra installs: {EVAL_EXTRA} "
+    err = ImportError(f"{part} needs {package}, which the [eval] extra installs: {_EVAL_EXTRA} "
                       f"(importing {module!r} failed: {exc})")
     err.name = module
     return err

@@ -13,12 +13,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import missing_extra
+from . import _missing_extra
 
 try:
     from evalution.engines import base as ev
 except ImportError as _exc:
-    raise missing_extra("genback.engine.GenbackEvalutionEngine", "Evalution (PyPI: evalution)",
+    raise _missing_extra("genback.engine.GenbackEvalutionEngine", "Evalution (PyPI: evalution)",
                         "evalution", _exc) from _exc
 
 from .engine import GenbackEngine, model_name

@@ -26,13 +26,13 @@ import logging
 
 from tqdm import tqdm
 
-from . import missing_extra
+from . import _missing_extra
 
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import model_registry
 except ImportError as _exc:
-    raise missing_extra("genback.engine.GenbackLM (the lm-eval model 'genback')",
+    raise _missing_extra("genback.engine.GenbackLM (the lm-eval model 'genback')",
                         "lm-evaluation-harness (PyPI: lm-eval)", "lm_eval", _exc) from _exc
 
 from .encoding import encode_text, prefix_token_id
