@@ -26,6 +26,7 @@ class OutputCache:
         self._rows: OrderedDict[Hashable, object] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
+        self.bytes_held = 0  # bytes of the rows held (tensors: numel * element size)
 
     def get(self, key: Hashable):
         """The cached row for ``key`` (counted as a hit), or None."""
@@ -40,14 +41,20 @@ class OutputCache:
         if self.max_entries == 0:
             return
         with self._lock:
+            old = self._rows.pop(key, None)
+            self.bytes_held += _nbytes(row) - _nbytes(old)
             self._rows[key] = row
-            self._rows.move_to_end(key)
             while len(self._rows) > self.max_entries:
-                self._rows.popitem(last=False)
+                self.bytes_held -= _nbytes(self._rows.popitem(last=False)[1])
 
     def clear(self) -> None:
         with self._lock:
             self._rows.clear()
+            self.bytes_held = 0
 
     def __len__(self) -> int:
         return len(self._rows)
+
+
+def _nbytes(row) -> int:
+    return 0 if row is None else row.numel() * row.element_size()

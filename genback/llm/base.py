@@ -320,7 +320,7 @@ class AsyncLM:
         """Counters, read without waiting for a running forward: ``queries`` (calls answered),
         ``tokens_queried`` (their context lengths), ``row_hits`` (answered from the output
         cache), ``batches``, ``batched_queries`` (distinct queries those batches computed),
-        ``rows_cached``, plus the runner's own (``forwards``, ``tokens_forwarded``, and for
+        ``rows_cached`` and ``rows_bytes`` (the output cache), plus the runner's own (``forwards``, ``tokens_forwarded``, and for
         AsyncTransformer ``kv_bytes``, ``kv_budget_bytes``, ``kv_nodes``, ``evictions``,
         ``attention``, ...)."""
         info = {
@@ -330,6 +330,7 @@ class AsyncLM:
             "batches": self._batcher.batches,
             "batched_queries": self._batcher.queries,
             "rows_cached": len(self._output_cache),
+            "rows_bytes": self._output_cache.bytes_held,
         }
         info.update(self._runner.stats())
         return info

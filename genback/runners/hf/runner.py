@@ -118,6 +118,7 @@ class HFRunner:
         self.tokens_forwarded = 0  # real (unpadded) tokens
         self.padded_tokens_forwarded = 0
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
+        self._freed_since_trim = 0
 
     def _probe_layout(self) -> tuple:
         """``(layers, kv_heads, head_dim, dtype, device)`` from a one-token forward."""
@@ -180,7 +181,7 @@ class HFRunner:
                 self.tree.insert(tokens, len(tokens), empty)
             self.tree.pin(tokens)
         finally:
-            self.tree.evict()
+            self._evict()
 
     def close(self) -> None:
         self.tree.clear()
@@ -208,8 +209,16 @@ class HFRunner:
             for r in rows:
                 self.tree.release(r.holder)
             if evict:
-                self.tree.evict()
+                self._evict()
         return [r.result for r in rows]
+
+    def _evict(self) -> None:
+        """Evict to the budget; every 64 MiB freed, hand the freed heap back to the OS (the
+        tree's many small node tensors live on the heap, which glibc does not shrink itself)."""
+        self._freed_since_trim += self.tree.evict()
+        if self._freed_since_trim >= 64 << 20 and self.device.type == "cpu":
+            _trim_host_memory()
+            self._freed_since_trim = 0
 
     def _forward(self, group: list[Row]) -> None:
         if self.use_tree:

@@ -1,0 +1,53 @@
+"""Memory held is memory counted: over a long SMC run with a small KV budget, the process grows
+by no more than the tree's budget, the output cache's rows and one forward's working set, and
+clearing the caches gives the memory back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+from genback.llm import AsyncTransformer
+
+WORKING_SET = 150 << 20  # one forward of 32 rows over SmolLM2, with allocator slack
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_rss_stays_within_budget_rows_and_one_forward(smol_hf):
+    model, tok = smol_hf
+    budget = 20 << 20
+    lm = AsyncTransformer(model, tok, kv_budget_bytes=budget)
+    rng = random.Random(0)
+    prompt = tok.encode("Once upon a time in a small village by the sea, there lived")
+
+    async def smc(steps):
+        parts = [list(prompt) for _ in range(32)]
+        peak = 0
+        for step in range(steps):
+            if step % 8 == 7:
+                parts = [list(rng.choice(parts)) for _ in parts]
+            parts = [p + [rng.randrange(49152)] for p in parts]
+            await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+            peak = max(peak, lm.cache_info()["kv_bytes"])
+        return peak
+
+    try:
+        asyncio.run(smc(5))  # warm up allocator and kernels
+        base = _rss()
+        peak_kv = asyncio.run(smc(50))
+        info = lm.cache_info()
+        grown = _rss() - base
+        assert peak_kv <= budget
+        assert info["evictions"] > 0  # the run really was larger than the budget
+        assert grown <= budget + info["rows_bytes"] + WORKING_SET, (grown, info)
+        lm.clear_cache()
+        lm.clear_kv_cache()
+        assert lm.cache_info()["kv_bytes"] == 0 and lm.cache_info()["rows_bytes"] == 0
+        assert _rss() - base <= WORKING_SET
+    finally:
+        lm.close()
