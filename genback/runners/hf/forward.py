@@ -103,15 +103,16 @@ def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shar
         pool = torch.cat([kv for _, kv in distinct.values()]
                          + [torch.zeros((n_layers, 2, heads, 1, dim), dtype=dtype, device=dev)],
                          dim=3)  # the last column is the (masked) padding
-        index = torch.full((R, P), offset, dtype=torch.long)
+        index: list[int] = []
         for i, segs in enumerate(private):
-            pos = P - sum(kv.shape[3] for kv in segs)  # left padding
-            mask[i, :, :, :pos] = False
+            pad = P - sum(kv.shape[3] for kv in segs)  # left padding
+            mask[i, :, :, :pad] = False
+            index.extend([offset] * pad)
             for kv in segs:
                 start = distinct[(kv.data_ptr(), kv.shape[3])][0]
-                index[i, pos: pos + kv.shape[3]] = torch.arange(start, start + kv.shape[3])
-                pos += kv.shape[3]
-        gathered = pool.index_select(3, index.flatten().to(dev)).view(
+                index.extend(range(start, start + kv.shape[3]))
+        index = torch.tensor(index, dtype=torch.long)
+        gathered = pool.index_select(3, index.to(dev)).view(
             n_layers, 2, heads, R, P, dim)
         del pool
 
