@@ -18,9 +18,12 @@ For each cell (particles x prompt tokens, 32 steps):
 
 Each system runs in its own process, so peak RSS is its own. Reported per cell: wall time of
 the queries (prefill included), ratio to the hand-written loop, the prefill's and the decode
-steps' times, decode tokens/s (distinct tokens forwarded per second of decode steps), achieved bandwidth of the decode
-steps (weights + KV bytes read per second, as gpt-fast reports it), peak RSS, KV held by the
-tree, and the max abs error of the last step's rows (2 particles) against an uncached forward.
+steps' times, decode tokens/s (distinct tokens forwarded per second of decode steps), achieved
+bandwidth of the decode steps (weights + KV bytes read per second, as gpt-fast reports it) and
+achieved compute (GFLOP/s, counted from the trace: see :func:`decode_flops`) — small batches are
+bound by the bytes read, large ones by arithmetic — peak RSS while querying, the RSS right after the model
+loaded (Python, torch and the weights, before any query), KV held by the tree, and the max abs
+error of the last step's rows (2 particles) against an uncached forward.
 
 Run: ``python benchmarks/bench_smc_scale.py`` (the full grid; ``--particles 16 64``
 ``--prompts 100 1000`` for part of it).
@@ -81,8 +84,29 @@ def weights_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set (``VmHWM``) since :func:`current_rss` last reset it, bytes."""
+    return _status("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss() -> int:
+    """This process's resident set now (``VmRSS``), bytes; resets the peak (``VmHWM``) to it,
+    so the peak reported later is that of the queries, not of loading the model (Linux's
+    ``/proc/self/clear_refs``, value 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
 
 
 def errors(model, rows, contexts):
@@ -100,6 +124,7 @@ def run_genback(args):
     from genback.llm import AsyncTransformer
 
     _, model, tok = load()
+    loaded = current_rss()
     lm = AsyncTransformer(model, tok)
     prompt = prompt_ids(tok, args.prompt)
     gen = torch.Generator().manual_seed(args.seed)
@@ -137,7 +162,8 @@ def run_genback(args):
     out = dict(wall=wall, prefill=prefill, steps=step_times, read=step_read,
                tokens=info["tokens_forwarded"], decode_tokens=info["tokens_forwarded"] - len(prompt),
                kv_bytes=info["kv_bytes"],
-               forwards=info["forwards"], rss=peak_rss(), weights=weights_bytes(model),
+               forwards=info["forwards"], rss=peak_rss(), rss_loaded=loaded,
+               weights=weights_bytes(model),
                err=errors(model, rows[:2], last[:2]), prompt=prompt)
     lm.close()
     return out, trace
@@ -148,6 +174,7 @@ def run_hand(args, trace, prompt):
     from transformers import DynamicCache
 
     _, model, _ = load()
+    loaded = current_rss()
     start = time.perf_counter()
     step_times, step_read, tokens = [], [], len(prompt)
     with torch.inference_mode():
@@ -180,7 +207,7 @@ def run_hand(args, trace, prompt):
     last = [rows[rows_of[tuple(c)]] for c in trace[-1][:2]]
     return dict(wall=wall, prefill=prefill, steps=step_times, read=step_read, tokens=tokens,
                 decode_tokens=tokens - len(prompt),
-                rss=peak_rss(), weights=weights_bytes(model),
+                rss=peak_rss(), rss_loaded=loaded, weights=weights_bytes(model),
                 err=errors(model, last, trace[-1][:2]))
 
 
@@ -240,6 +267,26 @@ def available_bytes() -> int:
     return 0
 
 
+def decode_flops(trace_path, n_params: int) -> float:
+    """Floating-point operations of the decode steps of a trace (each step's distinct contexts,
+    one new token each): ``2 * params`` per token for the matrix products (the tied embedding
+    is the LM head) plus ``4 * layers * heads * head_dim * context`` for attention (QK^T and PV),
+    the count gpt-fast and the PaLM paper's appendix B use."""
+    from transformers import AutoConfig
+
+    from genback.registry import resolve
+
+    c = AutoConfig.from_pretrained(resolve("smollm2-135m"))
+    attn = 4 * c.num_hidden_layers * c.num_attention_heads * (c.hidden_size // c.num_attention_heads)
+    with open(trace_path) as f:
+        trace = json.load(f)
+    flops = 0.0
+    for contexts in trace:
+        distinct = {tuple(ctx) for ctx in contexts}
+        flops += 2 * n_params * len(distinct) + attn * sum(len(ctx) for ctx in distinct)
+    return flops
+
+
 def decode_stats(r):
     steps = sum(r["steps"])
     bandwidth = (len(r["steps"]) * r["weights"] + sum(r["read"])) / steps
@@ -263,12 +310,14 @@ def main():
     kv_token = 30 * 2 * 3 * 64 * 4  # SmolLM2 fp32 KV bytes per token
     print(f"{'N':>4} {'P':>5} {'system':<10} {'wall s':>8} {'vs hand':>8} {'prefill':>7} "
           f"{'decode':>7} {'decode tok/s':>12} "
-          f"{'GB/s':>6} {'peak RSS GB':>11} {'tree KV GB':>10} {'max err':>9}")
+          f"{'GB/s':>6} {'GFLOP/s':>7} {'peak RSS GB':>11} {'loaded GB':>9} {'tree KV GB':>10} "
+          f"{'max err':>9}")
     for P in args.prompts:
         for N in args.particles:
             with tempfile.TemporaryDirectory() as tmp:
                 trace_path = os.path.join(tmp, "trace.json")
                 g = spawn("genback", N, P, args, trace_path)
+                flops = decode_flops(trace_path, g["weights"] // 4)
                 need = 2 * N * (P + args.steps) * kv_token
                 h = None
                 if need < 0.6 * available_bytes():
@@ -290,12 +339,15 @@ def main():
                     times = f"{r['prefill']:>7.2f} {steps:>7.2f}"
                     tps = f"{r['decode_tokens'] / steps:.0f}"
                     bws = f"{bw / 1e9:.1f}"
+                    gfs = f"{flops / steps / 1e9:.1f}"
                 else:
-                    tps = bws = "-"
+                    tps = bws = gfs = "-"
                     times = f"{'-':>7} {'-':>7}"
                 kv = f"{r['kv_bytes'] / 1e9:.3f}" if "kv_bytes" in r else "-"
+                loaded = f"{r['rss_loaded'] / 1e9:.2f}" if "rss_loaded" in r else "-"
                 print(f"{N:>4} {P:>5} {name:<10} {r['wall']:>8.2f} {ratio:>8} {times} {tps:>12} {bws:>6} "
-                      f"{r['rss'] / 1e9:>11.2f} {kv:>10} {r['err']:>9.1e}", flush=True)
+                      f"{gfs:>7} {r['rss'] / 1e9:>11.2f} {loaded:>9} {kv:>10} {r['err']:>9.1e}",
+                      flush=True)
 
 
 if __name__ == "__main__":
