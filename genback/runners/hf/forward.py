@@ -4,7 +4,7 @@ Both paths feed the rows' new tokens right-padded to the longest (``[R, m]``), w
 positions, and keep logits only at the positions some row needs (``logits_to_keep``):
 
 * :func:`tree_forward`: tree attention (:mod:`.tree_attention`): shared segments are read in
-  place once for all rows below them; each row's private past is gathered once per forward.
+  place once for all rows below them; each row's private past is gathered layer by layer.
 * :func:`dense_forward`: for models without the attention interface: each row's whole past is
   assembled (left-padded) into a ``DynamicCache``.
 
@@ -86,9 +86,11 @@ def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shar
     R, m = input_ids.shape
     shared, private = split_segments(rows, min_shared_tokens)
 
-    # private pasts: distinct segments concatenated once, then one gather into [.., R, P, ..]
+    # private pasts: distinct segments concatenated once into a pool; each layer's attention
+    # gathers its rows' pasts from it ([.., R, P, ..]) with one index, so the gathered copy
+    # exists for one layer at a time
     P = max(sum(kv.shape[3] for kv in segs) for segs in private)
-    gathered = None
+    pool = index = None
     mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
     mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
     if P:
@@ -103,24 +105,21 @@ def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shar
         pool = torch.cat([kv for _, kv in distinct.values()]
                          + [torch.zeros((n_layers, 2, heads, 1, dim), dtype=dtype, device=dev)],
                          dim=3)  # the last column is the (masked) padding
-        index: list[int] = []
+        positions_in_pool: list[int] = []
         for i, segs in enumerate(private):
             pad = P - sum(kv.shape[3] for kv in segs)  # left padding
             mask[i, :, :, :pad] = False
-            index.extend([offset] * pad)
+            positions_in_pool.extend([offset] * pad)
             for kv in segs:
                 start = distinct[(kv.data_ptr(), kv.shape[3])][0]
-                index.extend(range(start, start + kv.shape[3]))
-        index = torch.tensor(index, dtype=torch.long)
-        gathered = pool.index_select(3, index.to(dev)).view(
-            n_layers, 2, heads, R, P, dim)
-        del pool
+                positions_in_pool.extend(range(start, start + kv.shape[3]))
+        index = torch.tensor(positions_in_pool, dtype=torch.long, device=dev)
 
     segments = [tree_attention.Segment(
         kv, None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev), len(idx))
         for kv, idx in shared]
     new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
-    batch = tree_attention.TreeBatch(segments, gathered, mask.to(dev), new_kv, kernel)
+    batch = tree_attention.TreeBatch(segments, pool, index, P, mask.to(dev), new_kv, kernel)
     wanted = _wanted(rows, n_new)
     with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
         out = _run_model(model, input_ids, positions, wanted, TreeCache(batch))

@@ -13,8 +13,9 @@ A forward's layout (built by :mod:`.plan`, one :class:`TreeBatch` per forward):
 * ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``);
 * shared segments: tree nodes' KV ``[layers, 2, kv_heads, L, dim]`` read in place, each with the
   rows below it;
-* a private past per row: the rest of its cached KV, gathered into ``[layers, 2, kv_heads, R, P,
-  dim]`` (left-padded, masked), then the row's new tokens, causal.
+* a private past per row: the rest of its cached KV, gathered layer by layer from a pool of the
+  distinct private segments into ``[R, kv_heads, P, dim]`` (left-padded, masked), then the row's
+  new tokens, causal.
 
 The function is registered with transformers' ``AttentionInterface`` as ``"genback_tree"`` and is
 active only while :func:`active` holds a batch on the calling thread (the runner switches the
@@ -48,19 +49,32 @@ class Segment:
 class TreeBatch:
     """Everything the attention of one forward needs besides the model's own tensors.
 
-    ``private``: ``[layers, 2, kv_heads, R, P, dim]`` or None (P == 0); ``mask``: bool
+    ``pool``: ``[layers, 2, kv_heads, T, dim]``, the distinct private segments (and a padding
+    column), or None (P == 0); ``index``: long ``[R * P]``, the pool columns of each row's
+    left-padded private past; ``mask``: bool
     ``[R, 1, m, P + m]`` (True = attend) for the private past and the new tokens; ``new_kv``:
     ``[layers, 2, R, kv_heads, m, dim]``, filled by the cache with each layer's new keys/values.
     """
 
     segments: list[Segment]
-    private: torch.Tensor | None
+    pool: torch.Tensor | None
+    index: torch.Tensor | None
+    P: int
     mask: torch.Tensor
     new_kv: torch.Tensor
     # "flash": torch's fused attention ops that return the LSE (CPU: 6.5x faster than "math" for
     # 768 stacked queries over a 4,000-token segment, measured); "math": scores materialised
     kernel: str = "flash"
     bytes_read: int = field(default=0)  # KV bytes attention read (all layers), for statistics
+
+    def private(self, layer: int, R: int):
+        """Layer ``layer``'s private pasts: keys and values, each ``[R, kv_heads, P, dim]``
+        (None when P == 0)."""
+        if self.pool is None:
+            return None
+        kv = self.pool[layer].index_select(2, self.index)  # [2, kv_heads, R * P, dim]
+        kv = kv.view(2, kv.shape[1], R, self.P, kv.shape[3]).transpose(1, 2)
+        return kv[0], kv[1]
 
 
 @contextmanager
@@ -138,13 +152,14 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     qg = query.reshape(R, Hkv, G * m, D)
 
     # 1. private past + new tokens, per row (masked: left padding, causal new block)
-    if batch.private is not None:
-        k = torch.cat([batch.private[layer, 0].transpose(0, 1), key], dim=2)
-        v = torch.cat([batch.private[layer, 1].transpose(0, 1), value], dim=2)
+    private = batch.private(layer, R)
+    if private is not None:
+        k = torch.cat([private[0], key], dim=2)
+        v = torch.cat([private[1], value], dim=2)
     else:
         k, v = key, value
     if not batch.segments:  # nothing to merge: no LSE needed
-        if batch.private is None:  # right-padded new tokens only: causal is exact for real ones
+        if private is None:  # right-padded new tokens only: causal is exact for real ones
             out = F.scaled_dot_product_attention(query, k, v, is_causal=m > 1, scale=scale,
                                                  enable_gqa=G > 1)
         else:
