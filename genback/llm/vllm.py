@@ -197,10 +197,11 @@ class AsyncVirtualLM(AsyncLM):
 
     def cache_info(self) -> dict:
         """:meth:`AsyncLM.cache_info` plus ``requests`` (vLLM requests sent; also reported as
-        ``forwards`` and ``batches``: vLLM schedules each), ``aborted`` (requests aborted because
-        every caller was cancelled), ``in_flight``, ``tokens_forwarded`` (prompt tokens not
-        served by vLLM's prefix cache), ``tap_fallbacks`` (rows the tap could not serve) and
-        ``row_slots`` (shared-memory rows allocated)."""
+        ``forwards`` and ``batches``: vLLM schedules each), ``aborted`` (requests aborted: every
+        caller cancelled, ``reset_async_queries``, ``aclose``), ``in_flight``,
+        ``tokens_forwarded`` (prompt tokens not served by vLLM's prefix cache),
+        ``tap_fallbacks`` (rows the tap could not serve) and ``row_slots`` (shared-memory rows
+        allocated)."""
         return super().cache_info()
 
     def cache_kv(self, prompt_tokens, lora_name=None) -> None:
@@ -224,7 +225,7 @@ class AsyncVirtualLM(AsyncLM):
                              f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
         self._runner.use_tap = value == "tap"
 
-    # -- sampling (vLLM's sampler, streamed) --------------------------------------------------------
+    # -- sampling (vLLM's sampler, streamed) -------------------------------------------------------
 
     def _sample_params(self, prompt_token_ids, max_tokens, eos_token_ids, temperature, seed,
                        lora_name):
@@ -304,7 +305,7 @@ class AsyncVirtualLM(AsyncLM):
         return [t async for t in self.sample_stream(prompt_token_ids, max_tokens, eos_token_ids,
                                                     temperature, seed, lora_name)]
 
-    # -- lifecycle ------------------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """Abort every request in flight (their callers get ``BatcherClosed``), shut the engine

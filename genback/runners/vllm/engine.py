@@ -47,7 +47,7 @@ class EngineLoop:
         self._ids = itertools.count()
         self.closed = False
         self.requests = 0  # engine requests started
-        self.cancelled = 0  # requests cancelled because every caller left (aborted in vLLM)
+        self.cancelled = 0  # requests cancelled (every caller left, reset, close): aborted in vLLM
         self.engine = None
         try:
             self.engine = self.call(self._build(engine_args))
@@ -85,7 +85,7 @@ class EngineLoop:
             raise RuntimeError("a blocking AsyncVirtualLM call was made on its engine thread")
         return self.submit(coro).result()
 
-    # -- requests (these run on the engine loop) ----------------------------------------------------
+    # -- requests (these run on the engine loop) ---------------------------------------------------
 
     async def join(self, key: Hashable, make: Callable[[], Awaitable]) -> Any:
         """The result of the in-flight task ``key``, started as ``make()`` if there is none.
@@ -96,7 +96,7 @@ class EngineLoop:
             BatcherClosed: :meth:`reset` or :meth:`close` cancelled the task.
         """
         entry = self._inflight.get(key)
-        if entry is None or entry.task.done():
+        if entry is None or entry.task.done() or entry.reason is not None:
             entry = self._inflight[key] = _Shared(asyncio.ensure_future(make()))
             entry.task.add_done_callback(lambda t, k=key: self._forget(k, t))
         entry.callers += 1
@@ -167,6 +167,7 @@ class EngineLoop:
             if not entry.task.done():
                 entry.reason = reason
                 callers += entry.callers
+                self.cancelled += 1
                 entry.task.cancel()
         return callers
 
@@ -177,7 +178,7 @@ class EngineLoop:
             return 0
         return self.call(self._cancel_all(reason))
 
-    # -- lifecycle ------------------------------------------------------------------------------------
+    # -- lifecycle ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Abort every request, shut the engine down (its processes exit), stop the thread.

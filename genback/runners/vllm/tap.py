@@ -102,7 +102,8 @@ def _unlink(path: str) -> None:
 
 
 def check_tap_spec(tap) -> None:
-    """``ValueError`` unless ``tap`` is a ``[path, slot, width]`` list (run by vLLM at admission)."""
+    """``ValueError`` unless ``tap`` is a ``[path, slot, width]`` list (vLLM runs it at
+    admission)."""
     if not (isinstance(tap, (list, tuple)) and len(tap) == 3 and isinstance(tap[0], str)
             and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in tap[1:])):
         raise ValueError(f"extra_args[{TAP_KEY!r}] must be [path, slot, width], got {tap!r}")
