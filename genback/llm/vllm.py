@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import weakref
 
 import torch
 
@@ -152,6 +153,8 @@ class AsyncVirtualLM(AsyncLM):
         self._batcher = Dispatcher(runner, self._output_cache, self._batcher.window,
                                    self._batcher.max_batch_size)
         self._engine = engine
+        # a model dropped or left open at exit still stops its engine processes
+        self._finalizer = weakref.finalize(self, runner.close)
         self._SamplingParams = vllm.SamplingParams
         self._DELTA = vllm.sampling_params.RequestOutputKind.DELTA
 

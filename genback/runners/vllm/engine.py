@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
+import time
 from typing import Any, Awaitable, Callable, Hashable
 
 from ...batcher import BatcherClosed
@@ -49,11 +50,15 @@ class EngineLoop:
         self.requests = 0  # engine requests started
         self.cancelled = 0  # requests cancelled (every caller left, reset, close): aborted in vLLM
         self.engine = None
+        before = _children()
         try:
             self.engine = self.call(self._build(engine_args))
         except BaseException:
             self._stop()
+            _reap([p for p in _children().values() if p.pid not in before], timeout=30)
             raise
+        # the engine's processes (engine core, workers), so that close can see them gone
+        self.processes = [p for pid, p in _children().items() if pid not in before]
 
     @staticmethod
     async def _build(engine_args):
@@ -191,6 +196,7 @@ class EngineLoop:
         finally:
             self.closed = True
             self._stop()
+            _reap(self.processes, timeout=30)
 
     async def _shutdown(self) -> None:
         engine, self.engine = self.engine, None
@@ -208,3 +214,39 @@ class EngineLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
         self.loop.close()
+
+
+def _children() -> dict:
+    """This process's descendants by pid, without multiprocessing's helper processes (the
+    resource tracker serves the whole interpreter)."""
+    import psutil  # a vLLM dependency
+
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in part or "forkserver" in part for part in p.cmdline()):
+                out[p.pid] = p
+        except psutil.Error:  # already gone
+            pass
+    return out
+
+
+def _reap(processes, timeout: float) -> None:
+    """Wait up to ``timeout`` s for the engine's processes to exit after its shutdown, then kill
+    the ones left (vLLM's workers exit on their own once the engine core is gone)."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while any(map(running, processes)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in filter(running, processes):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
