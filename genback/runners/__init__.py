@@ -1,2 +1,3 @@
 """Backend runners (see :mod:`genback.runner`): ``hf`` (transformers, KV prefix tree and tree
-attention) and ``mock``. The vLLM runner lives with its adapter in :mod:`genback.llm.vllm`."""
+attention), ``vllm`` (vLLM's ``AsyncLLM`` on its own loop thread, the shared-memory row tap)
+and ``mock``."""

@@ -1,0 +1,244 @@
+"""The vLLM runner: every distinct genback query is its own request to vLLM's ``AsyncLLM``.
+
+vLLM's scheduler does what genback's batcher does for the other backends (continuous batching,
+chunked prefill, prefix caching), so :class:`Dispatcher` stands where ``AsyncLM``'s batcher stands
+and sends each distinct query at once; identical queries in flight share one request and the
+output cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answer`):
+
+* next-token row: ``SamplingParams(max_tokens=1, temperature=0, detokenize=False)`` with
+  ``extra_args={"genback_row": [path, slot, width]}``; genback's ``RowTap`` logits processor
+  writes the row into that shared-memory slot (:mod:`.tap`). Fallback when no worker could write
+  it (an engine without the tap, a worker on another machine): ``logprobs=-1,
+  flat_logprobs=True`` on an engine with ``max_logprobs=-1, logprobs_mode="raw_logprobs"``, the
+  same log-softmax as flat lists scattered into a row;
+* continuation log-probs (and, for scoring queries, greedy flags): one request with
+  ``prompt_logprobs=0`` over ``context + continuation``; vLLM reports each prompt token's
+  log-prob and rank (rank 1 is the argmax);
+* KV only (``targets == ()``): one greedy step, so the prompt's blocks enter the prefix cache.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Hashable
+
+import torch
+
+from ...batcher import BatcherClosed
+from ...query import Query
+from .engine import EngineLoop
+from .tap import TAP_KEY, RowSlots
+
+
+def query_key(q: Query) -> Hashable:
+    """The key identical in-flight queries share (as ``AsyncLM`` keys its batcher)."""
+    plain_row = q.targets is None and getattr(q, "pick", None) is None
+    return q.tokens if plain_row else q
+
+
+class VLLMRunner:
+    """Runner (:class:`genback.runner.Runner`) over an :class:`EngineLoop`.
+
+    Args:
+        engine: the engine loop (the runner closes it).
+        width: the logit width ``V`` (rows are float32 ``[V]``).
+        use_tap: whether the engine was built with ``RowTap``.
+    """
+
+    cache_kind = "vLLM prefix cache"  # AsyncLM.cache_kind
+
+    def __init__(self, engine: EngineLoop, width: int, use_tap: bool):
+        from vllm import SamplingParams
+
+        self.engine = engine
+        self.width = width
+        self.slots = RowSlots(width) if use_tap else None
+        self.use_tap = use_tap
+        self.tap_fallbacks = 0  # rows the tap could not serve (answered by the fallback)
+        self.tokens_forwarded = 0  # prompt tokens not served from vLLM's prefix cache
+        self._warnings: list[str] = []  # raised on the callers' threads (flush_warnings)
+        self._SamplingParams = SamplingParams
+        self._row_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1,
+                                          flat_logprobs=True, detokenize=False)
+        self._kv_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        self._prompt_params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                             flat_logprobs=True, detokenize=False)
+
+    # -- on the engine loop --------------------------------------------------------------------
+
+    async def answer(self, q: Query):
+        """The result of one query (see :class:`genback.query.Query`)."""
+        if getattr(q, "pick", None) is not None:
+            raise ValueError("the vLLM runner answers rows, not decoding picks (picks=False)")
+        if q.targets is None:
+            return await self._row(q.tokens)
+        if q.targets == ():
+            await self._generate(q.tokens, self._kv_params)
+            return None
+        prompt = q.tokens + q.targets[-1:]
+        out = await self._generate(prompt, self._prompt_params)
+        logprobs, ranks = prompt_token_logprobs(out.prompt_logprobs, prompt, len(q.targets))
+        return (logprobs, ranks == 1) if getattr(q, "greedy", False) else logprobs
+
+    async def _generate(self, prompt, params):
+        out = await self.engine.generate(prompt, params)
+        self.tokens_forwarded += len(prompt) - (out.num_cached_tokens or 0)
+        return out
+
+    async def _row(self, tokens: tuple[int, ...]) -> torch.Tensor:
+        if self.use_tap and self.slots is not None:
+            seg, slot = self.slots.acquire()
+            try:
+                params = self._SamplingParams(
+                    max_tokens=1, temperature=0.0, detokenize=False,
+                    extra_args={TAP_KEY: self.slots.spec(seg, slot)})
+                await self._generate(tokens, params)
+                row = self.slots.read(seg, slot)
+            finally:
+                self.slots.release(seg, slot)
+            if row is not None:
+                return row
+            if self.use_tap:  # first miss: say so once, then skip the tap
+                self.use_tap = False
+                self._warnings.append(
+                    "a vLLM row did not come through genback's shared-memory tap; it and all "
+                    "later rows use vLLM's logprobs=-1 output (row_source='logprobs')")
+            self.tap_fallbacks += 1
+        out = await self._generate(tokens, self._row_params)
+        return flat_row(out.outputs[0].logprobs, self.width)
+
+    # -- the runner protocol (blocking callers) ---------------------------------------------------
+
+    def run(self, queries) -> list:
+        """Answer queries from a blocking caller: all are sent at once, then awaited."""
+        futures = [self.engine.submit(self.engine.join(query_key(q), lambda q=q: self.answer(q)))
+                   for q in queries]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()  # no-op when done; aborts the rest when one failed
+            self.flush_warnings()
+
+    def flush_warnings(self) -> None:
+        """Raise the runner's pending warnings on the calling thread."""
+        while self._warnings:
+            warnings.warn(self._warnings.pop(), RuntimeWarning, stacklevel=4)
+
+    def stats(self) -> dict:
+        engine = self.engine
+        return {"forwards": engine.requests, "requests": engine.requests,
+                "aborted": engine.cancelled, "in_flight": len(engine._inflight),
+                "tokens_forwarded": self.tokens_forwarded, "tap_fallbacks": self.tap_fallbacks,
+                "row_slots": 0 if self.slots is None else
+                self.slots.segments * self.slots.segment_rows}
+
+    def clear(self, keep_pinned: bool) -> None:
+        if not self.engine.closed:
+            self.engine.call(self._reset_prefix_cache())
+
+    async def _reset_prefix_cache(self) -> None:
+        await self.engine.engine.reset_prefix_cache()
+
+    def pin(self, tokens) -> None:
+        self.run([Query(tuple(tokens), ())])  # its full blocks enter the prefix cache
+
+    def close(self) -> None:
+        self.engine.close()
+        if self.slots is not None:
+            self.slots.close()
+
+
+class Dispatcher:
+    """What ``AsyncLM`` uses in place of its batcher for vLLM: ``submit`` sends each distinct
+    query at once as its own vLLM request (vLLM batches them); the output cache stays in front.
+
+    ``window`` and ``max_batch_size`` are kept for ``AsyncLM``'s ``batch_window`` / ``batch_size``
+    properties; vLLM's scheduler (``max_num_seqs``, ``max_num_batched_tokens``) sizes its batches.
+    """
+
+    def __init__(self, runner: VLLMRunner, output_cache, window: float, max_batch_size: int):
+        self.runner = runner
+        self.output_cache = output_cache
+        self.window = window
+        self.max_batch_size = max_batch_size
+        self._closed = False
+
+    @property
+    def batches(self) -> int:  # each request is scheduled by vLLM on its own
+        return self.runner.engine.requests
+
+    @property
+    def queries(self) -> int:
+        return self.runner.engine.requests
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def submit(self, key: Hashable, query: Query):
+        """The result of ``query``; cancelling the caller aborts its request once no other
+        caller shares it.
+
+        Raises:
+            BatcherClosed: closed, or reset while the query ran.
+            RuntimeError: the engine failed this request (names vLLM and the cause).
+        """
+        if self._closed:
+            raise BatcherClosed("the model was closed (aclose); no more queries are served")
+        runner = self.runner
+        result = await runner.engine.run(runner.engine.join(key, lambda: runner.answer(query)))
+        runner.flush_warnings()
+        if query.targets is None and getattr(query, "pick", None) is None:
+            self.output_cache.put(query.tokens, result)
+        return result
+
+    def reset(self, exc: BaseException | None = None) -> int:
+        """Abort every in-flight request; its callers get ``BatcherClosed``."""
+        return self.runner.engine.reset(
+            str(exc) if exc is not None else "pending queries were reset (reset_async_queries)")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.reset(BatcherClosed("the model was closed (aclose) while this query ran"))
+
+
+def flat_row(flat, width: int) -> torch.Tensor:
+    """float32 ``[width]`` from one position of full-vocabulary ``FlatLogprobs``.
+
+    Raises:
+        RuntimeError: vLLM returned fewer than ``width`` entries.
+    """
+    start, end = flat.start_indices[0], flat.end_indices[0]
+    ids = torch.tensor(flat.token_ids[start:end], dtype=torch.long)
+    row = torch.full((width,), -math.inf, dtype=torch.float32)
+    row[ids] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
+    seen = torch.zeros(width, dtype=torch.bool)
+    seen[ids] = True
+    if not bool(seen.all()):
+        raise RuntimeError(f"vLLM returned log-probs for {int(seen.sum())} of {width} tokens; "
+                           "expected the full vocabulary (logprobs=-1)")
+    return row
+
+
+def prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs (float32 ``[n]``) and vLLM ranks (int64 ``[n]``; rank 1 is the argmax) of
+    the last ``n`` prompt tokens from vLLM's prompt log-probs (position ``i`` holds prompt token
+    ``i``'s own entry first, then the top-k).
+
+    Raises:
+        RuntimeError: an entry is for another token than the prompt's.
+    """
+    values, ranks = [], []
+    for pos in range(len(prompt) - n, len(prompt)):
+        at = flat.start_indices[pos]
+        if flat.token_ids[at] != prompt[pos]:
+            raise RuntimeError(f"vLLM prompt log-probs at position {pos} are for token "
+                               f"{flat.token_ids[at]}, not {prompt[pos]}")
+        values.append(flat.logprobs[at])
+        ranks.append(flat.ranks[at])
+    return torch.tensor(values, dtype=torch.float32), torch.tensor(ranks, dtype=torch.long)
