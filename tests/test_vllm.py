@@ -215,6 +215,25 @@ async def test_token_logprobs_equal_sum_of_rows(vlm, ref, smol_hf):
     assert abs(single.item() - rows[0, continuation[0]].item()) < TOL
 
 
+async def test_score_matches_rows_and_transformer(vlm, ref, smol_hf):
+    """``score``: prompt log-probs with vLLM's rank (rank 1 = greedy) in one request."""
+    tok = smol_hf[1]
+    context = tok.encode("The capital of France is")
+    continuation = tok.encode(" Paris, a city of art and light.")
+    before = vlm.cache_info()["requests"]
+    lps, greedy = await vlm.score(context, continuation)
+    assert vlm.cache_info()["requests"] == before + 1
+    assert lps.dtype == torch.float32 and greedy.dtype == torch.bool
+    assert lps.shape == greedy.shape == (len(continuation),)
+    rows = await vlm.batch_next_token_logprobs(
+        [context + continuation[:j] for j in range(len(continuation))])
+    assert (lps - rows[torch.arange(len(continuation)), torch.tensor(continuation)]).abs().max() < TOL
+    assert greedy.tolist() == [int(r.argmax()) == t for r, t in zip(rows, continuation)]
+    ref_lps, ref_greedy = await ref.score(context, continuation)
+    assert (lps - ref_lps).abs().max().item() < TOL and greedy.tolist() == ref_greedy.tolist()
+    assert greedy[0] and not greedy.all()  # " Paris" is the argmax, the rest is not all greedy
+
+
 async def test_seeded_sampling_is_reproducible(vlm):
     prompt = vlm.tokenizer.encode("Once upon a time")
     a = await vlm.sample(prompt, 12, [], temperature=1.0, seed=7)

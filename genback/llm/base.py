@@ -20,6 +20,7 @@ from ..batcher import Batcher, BatcherClosed
 from ..output_cache import OutputCache
 from ..query import Query
 from ..runner import Runner
+from ..sampling import Choice, Pick, choose
 from .inputs import check_lora, check_positive_int, check_token_ids
 
 
@@ -121,7 +122,8 @@ class AsyncLM:
         results: list = [None] * len(queries)
         todo = []
         for i, q in enumerate(queries):
-            row = self._output_cache.get(q.tokens) if q.targets is None else None
+            row = (self._output_cache.get(q.tokens)
+                   if q.targets is None and q.pick is None else None)
             if row is not None:  # computed by an earlier batch since this query was submitted
                 results[i] = row
             else:
@@ -132,7 +134,7 @@ class AsyncLM:
                 computed = self._runner.run([queries[i] for i in todo])
             for i, value in zip(todo, computed):
                 results[i] = value
-                if queries[i].targets is None:
+                if queries[i].targets is None and queries[i].pick is None:
                     self._output_cache.put(queries[i].tokens, value)
         return results
 
@@ -224,6 +226,20 @@ class AsyncLM:
             raise ValueError(f"{name} must hold at least one context, got an empty list")
         return list(token_ids_list)
 
+    def _pair_query(self, context_ids, continuation_ids, greedy: bool) -> Query:
+        context = self._check_ids(context_ids, "context_ids")
+        continuation = self._check_ids(continuation_ids, "continuation_ids")
+        total = len(context) + len(continuation)
+        if self.max_context_length and total > self.max_context_length:
+            raise ValueError(
+                f"context_ids + continuation_ids has {total} tokens ({len(context)} + "
+                f"{len(continuation)}), more than the model's context of {self.max_context_length}"
+            )
+        self._check_open()
+        query = Query(context + continuation[:-1], continuation, greedy)
+        self._count(len(query.tokens))
+        return query
+
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
         """Log-prob of each continuation token given the context and the tokens before it.
 
@@ -236,19 +252,71 @@ class AsyncLM:
                 two together longer than the model's context.
         """
         check_lora(lora_name)
-        context = self._check_ids(context_ids, "context_ids")
-        continuation = self._check_ids(continuation_ids, "continuation_ids")
-        total = len(context) + len(continuation)
-        if self.max_context_length and total > self.max_context_length:
-            raise ValueError(
-                f"context_ids + continuation_ids has {total} tokens ({len(context)} + "
-                f"{len(continuation)}), more than the model's context of {self.max_context_length}"
-            )
-        self._check_open()
-        query = Query(context + continuation[:-1], continuation)
-        self._count(len(query.tokens))
+        query = self._pair_query(context_ids, continuation_ids, greedy=False)
         result = await self._batcher.submit(query, query)
         return result.clone()
+
+    async def score(self, context_ids, continuation_ids, lora_name=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score a continuation: its log-probs and whether each token is the greedy choice.
+
+        One query, answered by one forward over ``context_ids + continuation_ids[:-1]`` (only
+        its uncached part on backends with a KV cache); the log-probs and the argmax flags are
+        computed on the model's device at the continuation's positions only, and concurrent
+        calls share forwards like every other query.
+
+        Args:
+            context_ids: non-empty ids in ``[0, V)``.
+            continuation_ids: non-empty ids in ``[0, V)``.
+            lora_name: must be None (no adapters).
+
+        Returns:
+            ``(logprobs, is_greedy)``: float32 CPU ``[n]`` (``logprobs[i] = log p(cont[i] | ctx +
+            cont[:i])``, as :meth:`token_logprobs`) and bool CPU ``[n]`` (``cont[i]`` is the
+            argmax of that distribution), ``n = len(continuation_ids)``.
+
+        Raises:
+            TypeError / ValueError: bad or empty ids, or the two together longer than the
+                model's context (only this caller fails).
+            BatcherClosed: the model was closed or reset while the query waited.
+        """
+        check_lora(lora_name)
+        query = self._pair_query(context_ids, continuation_ids, greedy=True)
+        logprobs, greedy = await self._batcher.submit(query, query)
+        return logprobs.clone(), greedy.clone()
+
+    async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
+        """One decoding step: choose the token after ``token_ids`` as ``pick`` says.
+
+        Concurrent steps of different requests share forwards (continuous batching: every
+        active generation steps in the same batch). Runners that choose on the model's device
+        (``AsyncTransformer``, the mock) get the step as a query and return only the token and
+        the asked-for log-probs; for the others (vLLM rows) :func:`genback.sampling.choose`
+        runs on the next-token row. A row already in the output cache is used as it is.
+
+        Args:
+            token_ids: the context (prompt then generated tokens), non-empty ids in ``[0, V)``.
+            pick: a :class:`genback.sampling.Pick` (its ``params`` are already validated).
+
+        Returns:
+            :class:`genback.sampling.Choice`.
+
+        Raises:
+            TypeError / ValueError: bad ``token_ids`` or ``pick``, or every token banned.
+        """
+        check_lora(lora_name)
+        if not isinstance(pick, Pick):
+            raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
+        key = self._check_ids(token_ids)
+        self._check_open()
+        self._count(len(key))
+        row = self._output_cache.get(key)
+        if row is None and getattr(self._runner, "picks", False):
+            query = Query(key, pick=pick)
+            return await self._batcher.submit(query, query)
+        if row is None:
+            row = await self._batcher.submit(key, Query(key))
+        return choose(row, key, pick)
 
     # -- sampling ---------------------------------------------------------------------------------
 

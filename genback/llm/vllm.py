@@ -23,8 +23,9 @@ context prefills only its new blocks).
   another node that cannot see the file): ``logprobs=-1, flat_logprobs=True,
   detokenize=False`` on an engine with ``max_logprobs=-1`` and ``logprobs_mode="raw_logprobs"``:
   vLLM returns the same log-softmax as flat lists (``FlatLogprobs``), scattered into a row.
-* ``token_logprobs`` is one request with ``prompt_logprobs=0`` over ``context + continuation``:
-  vLLM scores every prompt token (such requests bypass the prefix cache by vLLM's design).
+* ``token_logprobs`` and ``score`` are one request with ``prompt_logprobs=0`` over ``context +
+  continuation``: vLLM scores every prompt token and reports its rank (``score``'s greedy flag
+  is rank 1); such requests bypass the prefix cache by vLLM's design.
 * ``sample`` / ``batch_sample`` use vLLM's sampler with a per-request ``seed``; concurrent
   ``sample`` calls are gathered by a second batcher into one ``generate`` call.
 
@@ -283,7 +284,8 @@ class AsyncVirtualLM(AsyncLM):
             elif q.targets == ():
                 results.append(None)
             else:
-                results.append(_prompt_token_logprobs(out.prompt_logprobs, prompt, len(q.targets)))
+                lps, ranks = _prompt_token_logprobs(out.prompt_logprobs, prompt, len(q.targets))
+                results.append((lps, ranks == 1) if q.greedy else lps)
         return results
 
     def _row(self, flat) -> torch.Tensor:
@@ -399,16 +401,20 @@ class _VLLMRunner:
         self.lm._close_backend()
 
 
-def _prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int) -> torch.Tensor:
-    """float32 ``[n]``: the log-probs of the last ``n`` prompt tokens from vLLM's prompt log-probs
-    (position ``i`` holds the prompt token ``i``'s own log-prob first, then the top-k)."""
-    values = []
+def _prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs (float32 ``[n]``) and vLLM ranks (int64 ``[n]``; rank 1 is the argmax) of the
+    last ``n`` prompt tokens from vLLM's prompt log-probs (position ``i`` holds the prompt token
+    ``i``'s own entry first, then the top-k)."""
+    values, ranks = [], []
     for pos in range(len(prompt) - n, len(prompt)):
-        values.append(flat.logprobs[flat.start_indices[pos]])
-        if flat.token_ids[flat.start_indices[pos]] != prompt[pos]:
+        at = flat.start_indices[pos]
+        if flat.token_ids[at] != prompt[pos]:
             raise RuntimeError(f"vLLM prompt log-probs at position {pos} are for token "
-                               f"{flat.token_ids[flat.start_indices[pos]]}, not {prompt[pos]}")
-    return torch.tensor(values, dtype=torch.float32)
+                               f"{flat.token_ids[at]}, not {prompt[pos]}")
+        values.append(flat.logprobs[at])
+        ranks.append(flat.ranks[at])
+    return torch.tensor(values, dtype=torch.float32), torch.tensor(ranks, dtype=torch.long)
 
 
 def _shutdown(llm) -> None:

@@ -102,7 +102,7 @@ def shared_prefixes(contexts: list[tuple[int, ...]], cached_length, min_gain: in
     for every context (e.g. the first step of particles that all extend one uncached prompt)."""
     if len(contexts) < 2:
         return []
-    order = sorted(set(contexts))
+    order = sorted(contexts)  # equal contexts of several queries share all but their last token
     lcp = [0] * len(order)  # lcp[i]: common prefix length of order[i-1] and order[i]
     for i in range(1, len(order)):
         a, b = order[i - 1], order[i]
