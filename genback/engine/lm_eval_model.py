@@ -110,7 +110,9 @@ class GenbackLM(TemplateLM):
         items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
                  for _, ctx, cont in requests]  # the session truncates to its window
         results: list = []
-        step = self.session.max_in_flight  # one session call per chunk: contexts prefilled first
+        # one session call per 8 chunks (the session orders each call for sharing, then sends
+        # it in chunks of max_in_flight); the bar moves per call
+        step = 8 * self.session.max_in_flight
         with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
             for start in range(0, len(items), step):
                 outs = self.session.loglikelihood(items[start:start + step])

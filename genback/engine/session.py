@@ -30,9 +30,9 @@ from typing import Any, Callable
 from .base import BaseInferenceSession
 from .encoding import (PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id,
                        truncate_pair)
-from .generation import StreamEvent, decode, eos_token_ids, prepare_prompt, sampling_params
+from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
-from .scoring import score, score_rolling
+from .scoring import score, score_rolling, sharing_order
 from .types import (GenerationOutput, GenerationRequest, LoglikelihoodOutput,
                     LoglikelihoodRequest, RollingLoglikelihoodOutput, RollingLoglikelihoodRequest)
 
@@ -109,7 +109,7 @@ class GenbackSession(BaseInferenceSession):
                 return default(request, f"{type(exc).__name__}: {exc}")
         return run()
 
-    async def _gather(self, requests: list, fn, default, limit: int | None, prefill=None):
+    async def _gather(self, requests: list, fn, default, limit: int | None) -> list:
         limit = limit or self.max_in_flight
         semaphore = asyncio.Semaphore(limit)
 
@@ -117,27 +117,18 @@ class GenbackSession(BaseInferenceSession):
             async with semaphore:
                 return await self._guarded(fn, request, default)
 
-        results: list = []
-        # with a prefill step, requests go in chunks of ``limit``: first the chunk's shared
-        # prefixes, then its requests, so long prefills and short scoring forwards do not share
-        # (and pad) batches
-        step = limit if prefill is not None else max(1, len(requests))
-        for start in range(0, len(requests), step):
-            chunk = requests[start:start + step]
-            if prefill is not None:
-                await prefill(chunk)
-            results += await asyncio.gather(*(one(r) for r in chunk), return_exceptions=True)
+        results = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return results
 
-    def _run_all(self, requests, fn, default, batch_size, prefill=None) -> list:
+    def _run_all(self, requests, fn, default, batch_size) -> list:
         requests = list(requests)
         if not requests:
             return []
         _check_batch_size(batch_size)
-        return self._runner.call(self._gather(requests, fn, default, batch_size, prefill))
+        return self._runner.call(self._gather(requests, fn, default, batch_size))
 
     def _continuous(self, items: Iterable, fn, default, batch_size) -> Iterator[tuple[Any, Any]]:
         _check_batch_size(batch_size)
@@ -167,22 +158,42 @@ class GenbackSession(BaseInferenceSession):
         return truncate_pair(ctx, cont, self.max_length)
 
     async def _loglikelihood_one(self, request: LoglikelihoodRequest) -> LoglikelihoodOutput:
-        ctx, cont = self._encode_ll(request)
+        return await self._score_encoded((request, self._encode_ll(request)))
+
+    async def _score_encoded(self, item) -> LoglikelihoodOutput:
+        request, encoded = item
+        if isinstance(encoded, Exception):  # the request's own encoding error, reported here
+            raise encoded
+        ctx, cont = encoded
         logprob, greedy = await score(self.lm, ctx, cont)
         return LoglikelihoodOutput(logprob, greedy, len(cont), dict(request.metadata or {}))
 
-    async def _prefill_contexts(self, requests: list[LoglikelihoodRequest]) -> None:
-        """Compute the next-token row (and, on KV backends, the KV) of each distinct context
-        once; bad requests are skipped here and fail in their own scoring."""
-        contexts = {}
+    async def _loglikelihood_all(self, requests: list, limit: int) -> list:
+        """Encode every request, send them in :func:`sharing_order` in chunks of ``limit``
+        (each chunk one round of concurrent ``lm.score`` queries, so one batch), and return
+        the outputs in request order."""
+        encoded: list = []
         for request in requests:
             try:
-                ctx, _ = self._encode_ll(request)
-            except Exception:  # noqa: BLE001 - reported by the request's own scoring
-                continue
-            contexts[tuple(ctx)] = None
-        await asyncio.gather(*(self.lm.next_token_logprobs(list(c)) for c in contexts),
-                             return_exceptions=True)
+                encoded.append(self._encode_ll(request))
+            except Exception as exc:  # noqa: BLE001 - reported as this request's error
+                encoded.append(exc)
+        order = sharing_order([None if isinstance(e, Exception) else e for e in encoded])
+        results: list = [None] * len(requests)
+        error = None
+        for start in range(0, len(order), limit):
+            chunk = order[start:start + limit]
+            outs = await asyncio.gather(*(
+                self._guarded(self._score_encoded, (requests[i], encoded[i]),
+                              lambda item, message: self._ll_error(item[0], message))
+                for i in chunk), return_exceptions=True)
+            for i, out in zip(chunk, outs):
+                if isinstance(out, BaseException):
+                    error = error or out
+                results[i] = out
+        if error is not None:
+            raise error
+        return results
 
     @staticmethod
     def _ll_error(request, message: str) -> LoglikelihoodOutput:
@@ -195,11 +206,16 @@ class GenbackSession(BaseInferenceSession):
 
         ``logprob`` is the summed natural-log probability of the continuation tokens,
         ``is_greedy`` whether each is the argmax given what precedes it, ``token_count`` the
-        number of continuation tokens scored. Requests sharing a context share its KV.
-        ``batch_size``: most requests in flight (default ``max_in_flight``).
+        number of continuation tokens scored. Each request is one model query (one forward
+        gives its log-probs and greedy flags); requests are sent in chunks of ``batch_size``
+        (default ``max_in_flight``) in an order that puts shared contexts together, so requests
+        sharing a context share its KV.
         """
-        return self._run_all(requests, self._loglikelihood_one, self._ll_error, batch_size,
-                             prefill=self._prefill_contexts)
+        requests = list(requests)
+        if not requests:
+            return []
+        _check_batch_size(batch_size)
+        return self._runner.call(self._loglikelihood_all(requests, batch_size or self.max_in_flight))
 
     def loglikelihood_continuous(self, requests: Iterable[tuple[Any, LoglikelihoodRequest]], *,
                                  batch_size: int | None = None
@@ -237,9 +253,10 @@ class GenbackSession(BaseInferenceSession):
 
     async def _generate_one(self, request: GenerationRequest,
                             on_event: Callable[[StreamEvent], None] | None = None) -> GenerationOutput:
-        params = sampling_params(request)
-        if not params.greedy and params.seed is None:
-            params = dataclasses.replace(params, seed=self._seed())
+        config = generation_config(request)
+        if not config.params.greedy and config.params.seed is None:
+            config = dataclasses.replace(
+                config, params=dataclasses.replace(config.params, seed=self._seed()))
         max_new = request.max_new_tokens
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
@@ -251,7 +268,7 @@ class GenbackSession(BaseInferenceSession):
         if len(ids) > self.max_length:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the model window "
                              f"max_length={self.max_length}")
-        return await decode(self.lm, text, ids, params, max_new_tokens=max_new, stop=stop,
+        return await decode(self.lm, text, ids, config, max_new_tokens=max_new, stop=stop,
                             eos_ids=self._eos, max_length=self.max_length, on_event=on_event,
                             metadata=request.metadata)
 
@@ -266,8 +283,8 @@ class GenbackSession(BaseInferenceSession):
     def generate(self, requests: list[GenerationRequest], *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """One ``GenerationOutput`` per request, in order (see :func:`genback.engine.generation.decode`
-        for stopping and metadata, :func:`~genback.engine.generation.sampling_params` for
-        greedy vs sampling)."""
+        for stopping and metadata, :func:`~genback.engine.generation.generation_config` for
+        greedy vs sampling and the options)."""
         return self._run_all(requests, self._generate_one, self._gen_error, batch_size)
 
     def generate_continuous(self, requests: Iterable[tuple[Any, GenerationRequest]], *,
