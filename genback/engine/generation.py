@@ -156,15 +156,9 @@ def prepare_prompt(tokenizer, request: GenerationRequest) -> tuple[str, list[int
 
 
 def eos_token_ids(lm) -> set[int]:
-    """The tokenizer's EOS plus the model's ``generation_config.eos_token_id`` (int or list)."""
-    ids = set()
-    if lm.tokenizer.eos_token_id is not None:
-        ids.add(int(lm.tokenizer.eos_token_id))
-    config = getattr(getattr(lm, "model", None), "generation_config", None)
-    extra = getattr(config, "eos_token_id", None)
-    if extra is not None:
-        ids.update(int(t) for t in ([extra] if isinstance(extra, int) else extra))
-    return ids
+    """The ids that end a generation on ``lm``: ``lm.eos_token_ids`` (the tokenizer's EOS and the
+    model's own, on every backend)."""
+    return set(lm.eos_token_ids)
 
 
 def _earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str | None]:

@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Callable
 
 from .base import BaseInferenceSession
+from .checks import (check_generation_request, check_loglikelihood_request,
+                     check_rolling_request, token_ids)
 from .encoding import (PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id,
                        truncate_pair)
 from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
@@ -41,14 +43,6 @@ __all__ = ["GenbackSession"]
 log = logging.getLogger(__name__)
 
 _ERRORS = ("record", "raise")
-
-
-def _ids(value, name: str) -> list[int] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be a list of int token ids, got {type(value).__name__}")
-    return [int(t) for t in value]
 
 
 class GenbackSession(BaseInferenceSession):
@@ -138,8 +132,9 @@ class GenbackSession(BaseInferenceSession):
     # -- log-likelihood ----------------------------------------------------------------------------
 
     def _encode_ll(self, request: LoglikelihoodRequest) -> tuple[list[int], list[int]]:
-        ctx = _ids(request.context_input_ids, "context_input_ids")
-        cont = _ids(request.continuation_input_ids, "continuation_input_ids")
+        check_loglikelihood_request(request)
+        ctx = token_ids(request.context_input_ids, "context_input_ids")
+        cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
         if ctx is None and cont is None:
             ctx, cont = encode_pair(self.tokenizer, request.context or "",
                                     request.continuation or "", self.pair_encoding)
@@ -225,7 +220,8 @@ class GenbackSession(BaseInferenceSession):
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
     async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
-        tokens = _ids(request.input_ids, "input_ids")
+        check_rolling_request(request)
+        tokens = token_ids(request.input_ids, "input_ids")
         if tokens is None:
             tokens = encode_text(self.tokenizer, request.text or "")
         total = await score_rolling(self.lm, tokens, prefix_token_id(self.tokenizer),
@@ -253,17 +249,12 @@ class GenbackSession(BaseInferenceSession):
 
     async def _generate_one(self, request: GenerationRequest,
                             on_event: Callable[[StreamEvent], None] | None = None) -> GenerationOutput:
+        stop = check_generation_request(request)
+        max_new = int(request.max_new_tokens)
         config = generation_config(request)
         if not config.params.greedy and config.params.seed is None:
             config = dataclasses.replace(
                 config, params=dataclasses.replace(config.params, seed=self._seed()))
-        max_new = request.max_new_tokens
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
-        stop = request.stop or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) for s in stop):
-            raise TypeError(f"stop must be a list of str, got {request.stop!r}")
         text, ids = prepare_prompt(self.tokenizer, request)
         if len(ids) > self.max_length:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the model window "
@@ -374,17 +365,11 @@ class GenbackSession(BaseInferenceSession):
             "device": None if device is None else str(device),
             "batching": "continuous (genback auto-batcher)",
             "lm_batch_size": getattr(lm, "batch_size", None),
-            "kv_cache": "prefix tree" if _has_kv_tree(lm) else None,
+            "kv_cache": lm.cache_kind,
             "max_length": self.max_length,
             "pair_encoding": self.pair_encoding,
             "errors": self.errors,
         }
-
-
-def _has_kv_tree(lm) -> bool:
-    from ..llm import AsyncTransformer
-
-    return isinstance(lm, AsyncTransformer)
 
 
 def _check_batch_size(batch_size) -> None:

@@ -37,6 +37,8 @@ class AsyncLM:
         batch_window: seconds a batch waits for more queries, from its first query (finite, >= 0).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
         max_context_length: most tokens a context may have (None: no limit).
+        eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
+            config's); see :attr:`eos_token_ids`.
 
     Raises:
         ValueError: an option out of range.
@@ -52,12 +54,18 @@ class AsyncLM:
         batch_window: float = 0.002,
         row_cache_size: int = 1024,
         max_context_length: int | None = None,
+        eos_token_ids=(),
     ):
         self.tokenizer = tokenizer
         self.vocab_size = check_positive_int(
             len(tokenizer) if vocab_size is None else vocab_size, "vocab_size"
         )
         self.max_context_length = max_context_length
+        eos = set(check_token_ids(list(eos_token_ids), self.vocab_size, "eos_token_ids",
+                                  allow_empty=True))
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self._eos_token_ids = frozenset(eos)
         self._runner = runner
         self._output_cache = OutputCache(row_cache_size)
         self._batcher = Batcher(
@@ -97,6 +105,19 @@ class AsyncLM:
     @timeout.setter
     def timeout(self, value: float) -> None:
         self.batch_window = value
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end a generation: the tokenizer's EOS and the model's own (AsyncTransformer:
+        ``generation_config.eos_token_id``; AsyncVirtualLM: the model folder's generation
+        config)."""
+        return self._eos_token_ids
+
+    @property
+    def cache_kind(self) -> str | None:
+        """What model state the backend keeps between queries, in words (``"prefix tree"`` for
+        AsyncTransformer's KV tree, ``"vLLM prefix cache"``), or None."""
+        return getattr(self._runner, "cache_kind", None)
 
     # -- vocabulary -----------------------------------------------------------------------------
 

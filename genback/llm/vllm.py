@@ -114,6 +114,7 @@ class AsyncVirtualLM(AsyncLM):
             batch_window=batch_window if timeout is None else timeout,
             row_cache_size=row_cache_size,
             max_context_length=config.max_model_len - 1,  # room for the one generated token
+            eos_token_ids=_generation_eos(config),
         )
         self.llm = llm
         self._SamplingParams = vllm.SamplingParams
@@ -379,6 +380,8 @@ class AsyncVirtualLM(AsyncLM):
 class _VLLMRunner:
     """The runner of :class:`AsyncVirtualLM` (one ``LLM.generate`` per batch)."""
 
+    cache_kind = "vLLM prefix cache"  # AsyncLM.cache_kind
+
     def __init__(self, lm: "AsyncVirtualLM"):
         self.lm = lm
 
@@ -415,6 +418,17 @@ def _prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int
         values.append(flat.logprobs[at])
         ranks.append(flat.ranks[at])
     return torch.tensor(values, dtype=torch.float32), torch.tensor(ranks, dtype=torch.long)
+
+
+def _generation_eos(model_config) -> list[int]:
+    """EOS ids of the model's generation config (vLLM reads it from the model folder)."""
+    try:
+        eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
+    except Exception:  # noqa: BLE001 - no generation config: the tokenizer's EOS only
+        return []
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
 
 def _shutdown(llm) -> None:

@@ -80,6 +80,7 @@ class HFRunner:
     """
 
     picks = True  # answers decoding-step queries (Query.pick) on the model's device
+    cache_kind = "prefix tree"  # AsyncLM.cache_kind
 
     def __init__(self, model, *, pad_id: int = 0, kv_budget_bytes: int | None = None,
                  max_batch_tokens: int = 4096, max_forward_bytes: int | None = None,
