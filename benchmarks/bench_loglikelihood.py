@@ -17,7 +17,7 @@ Between mixes genback's caches are cleared (a mix never reuses another's KV). Th
 agreement — log-likelihoods within 1e-4, identical greedy flags, identical generations — and
 prints one table (wall seconds, genback / HFLM) and genback's counted work.
 
-    python benchmarks/bench_loglikelihood.py [--questions 64 --pairs 192 --texts 24 --prompts 32]
+    python benchmarks/bench_loglikelihood.py [--questions 32 --pairs 96 --texts 16 --prompts 32]
 """
 
 from __future__ import annotations
@@ -133,9 +133,9 @@ def agreement(mix: str, ref, got, lengths) -> tuple[str, bool]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--questions", type=int, default=64, help="multiple-choice questions (x4)")
-    p.add_argument("--pairs", type=int, default=192, help="loglikelihood pairs, all different")
-    p.add_argument("--texts", type=int, default=24, help="loglikelihood_rolling texts")
+    p.add_argument("--questions", type=int, default=32, help="multiple-choice questions (x4)")
+    p.add_argument("--pairs", type=int, default=96, help="loglikelihood pairs, all different")
+    p.add_argument("--texts", type=int, default=16, help="loglikelihood_rolling texts")
     p.add_argument("--prompts", type=int, default=32, help="generate_until prompts")
     p.add_argument("--mixes", default=",".join(MIXES), help=f"comma list of {MIXES}")
     p.add_argument("--hf-batch-size", type=int, default=16)
