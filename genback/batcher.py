@@ -235,7 +235,10 @@ class Batcher:
                     for f in entry.futures:
                         if not f.done():
                             f.set_result(result)
-        self._maybe_dispatch(state)
+        # dispatch what is pending only after the callers just answered have run (their wake-ups
+        # were queued first): their next queries join it, so callers that step in lockstep
+        # (decoding requests, particles) stay in one batch instead of splitting into cohorts
+        state.loop.call_soon(self._maybe_dispatch, state)
 
 
 def _fail(entries: list[_Entry], exc: BaseException) -> None:

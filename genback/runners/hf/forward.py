@@ -4,7 +4,7 @@ Both paths feed the rows' new tokens right-padded to the longest (``[R, m]``), w
 positions, and keep logits only at the positions some row needs (``logits_to_keep``):
 
 * :func:`tree_forward`: tree attention (:mod:`.tree_attention`): shared segments are read in
-  place once for all rows below them; each row's private past is gathered once per forward.
+  place once for all rows below them; each row's private past is copied once per forward.
 * :func:`dense_forward`: for models without the attention interface: each row's whole past is
   assembled (left-padded) into a ``DynamicCache``.
 
@@ -171,35 +171,23 @@ def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shar
     R, m = input_ids.shape
     shared, private = split_segments(rows, min_shared_tokens)
 
-    # private pasts: distinct segments concatenated once, then one gather into [.., R, P, ..]
+    # private pasts: every row's segments, left-padded with zeros, concatenated in row order by
+    # one cat into [.., R * P, ..] (one copy; viewed as [.., R, P, ..])
     P = max(sum(kv.shape[3] for kv in segs) for segs in private)
     gathered = None
     mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
     mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
     if P:
-        distinct: dict[int, tuple[int, torch.Tensor]] = {}
-        offset = 0
-        for segs in private:
-            for kv in segs:
-                key = (kv.data_ptr(), kv.shape[3])
-                if key not in distinct:
-                    distinct[key] = (offset, kv)
-                    offset += kv.shape[3]
-        pool = torch.cat([kv for _, kv in distinct.values()]
-                         + [torch.zeros((n_layers, 2, heads, 1, dim), dtype=dtype, device=dev)],
-                         dim=3)  # the last column is the (masked) padding
-        index: list[int] = []
+        zeros = torch.zeros((n_layers, 2, heads, P, dim), dtype=dtype, device=dev)
+        parts = []
         for i, segs in enumerate(private):
             pad = P - sum(kv.shape[3] for kv in segs)  # left padding
-            mask[i, :, :, :pad] = False
-            index.extend([offset] * pad)
-            for kv in segs:
-                start = distinct[(kv.data_ptr(), kv.shape[3])][0]
-                index.extend(range(start, start + kv.shape[3]))
-        index = torch.tensor(index, dtype=torch.long)
-        gathered = pool.index_select(3, index.to(dev)).view(
-            n_layers, 2, heads, R, P, dim)
-        del pool
+            if pad:
+                mask[i, :, :, :pad] = False
+                parts.append(zeros[:, :, :, :pad])
+            parts.extend(segs)
+        gathered = torch.cat(parts, dim=3).view(n_layers, 2, heads, R, P, dim)
+        del parts, zeros
 
     segments = [tree_attention.Segment(
         kv, None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev), len(idx))
