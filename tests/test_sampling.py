@@ -128,6 +128,19 @@ async def test_concurrent_generations_step_in_one_forward(tiny_lm):
     assert info["tokens_forwarded"] - before["tokens_forwarded"] == 4 * 3 + 5 * 4
 
 
+async def test_late_joiners_merge_into_the_lockstep_batch(tiny_lm):
+    """Generations started in two waves end up stepping in one batch: the batcher dispatches
+    the pending queries only after the callers it just answered have queued their next ones."""
+    before = tiny_lm.cache_info()["batches"]
+    first = [asyncio.create_task(tiny_lm.sample([20 + i, 5], 12, [], seed=i)) for i in range(3)]
+    await asyncio.sleep(0.01)  # the first wave's first batch is dispatched without the second
+    second = [asyncio.create_task(tiny_lm.sample([30 + i, 6], 12, [], seed=i)) for i in range(3)]
+    outs = await asyncio.gather(*first, *second)
+    assert all(len(o) == 12 for o in outs)
+    # 12 steps each; two waves split into two cohorts would take ~24 batches
+    assert tiny_lm.cache_info()["batches"] - before <= 12 + 2
+
+
 async def test_sample_argument_errors_name_the_argument(tiny_lm):
     with pytest.raises(TypeError, match="temperature must be a number > 0, got bool: True"):
         await tiny_lm.sample([1], 3, [0], temperature=True)
