@@ -43,6 +43,10 @@ __all__ = ["GenbackLM", "register_lm_eval"]
 
 log = logging.getLogger(__name__)
 
+# lm-eval generation kwargs that genback's generation config takes (GenerationRequest.metadata)
+_GEN_KWARGS = ("top_k", "top_p", "min_p", "seed", "min_new_tokens", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "no_repeat_ngram_size")
+
 
 class GenbackLM(TemplateLM):
     """lm-eval model over genback.
@@ -139,7 +143,7 @@ class GenbackLM(TemplateLM):
             context, gen_kwargs = req.args
             kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
-            meta = {k: kw[k] for k in ("top_k", "top_p", "seed") if kw.get(k) is not None}
+            meta = {k: kw[k] for k in _GEN_KWARGS if kw.get(k) is not None}
             items.append((i, GenerationRequest(
                 prompt=context, stop=until, max_new_tokens=int(kw.pop("max_gen_toks")),
                 do_sample=bool(kw.get("do_sample", False)),
