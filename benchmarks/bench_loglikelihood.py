@@ -121,14 +121,14 @@ def agreement(mix: str, ref, got, lengths) -> tuple[str, bool]:
         diff = max(abs(r[0] - g[0]) for r, g in zip(ref, got))
         same = sum(r[1] == g[1] for r, g in zip(ref, got))
         ok = diff <= 1e-4 and same == len(ref)
-        return f"max |dlogprob| {diff:.1e}, is_greedy equal {same}/{len(ref)}", ok
+        return f"max abs dlogprob {diff:.1e}, is_greedy equal {same}/{len(ref)}", ok
     if mix == "rolling":
         # a text's log-likelihood sums hundreds of fp32 token log-probs: HFLM's own padded
         # batches move it by ~1e-4 per 400 tokens against its unbatched forward, so the bound
         # is 1e-4 per 100 tokens scored
         diff = max(abs(r - g) for r, g in zip(ref, got))
         ok = all(abs(r - g) <= 1e-4 * max(1.0, n / 100) for r, g, n in zip(ref, got, lengths))
-        return f"max |dlogprob| {diff:.1e} (within 1e-4 per 100 tokens: {ok})", ok
+        return f"max abs dlogprob {diff:.1e} (within 1e-4 per 100 tokens: {ok})", ok
     same = sum(r == g for r, g in zip(ref, got))
     return f"generations equal {same}/{len(ref)}", same == len(ref)
 
