@@ -219,8 +219,6 @@ class Batcher:
         return batch
 
     def _finish(self, state: _LoopState, batch: list[_Entry], work: asyncio.Future) -> None:
-        with self._lock:
-            state.busy = False
         exc = work.exception() if not work.cancelled() else asyncio.CancelledError()
         if exc is not None:
             _fail(batch, exc)
@@ -235,6 +233,14 @@ class Batcher:
                     for f in entry.futures:
                         if not f.done():
                             f.set_result(result)
+        # the batch stays "busy" until the callers just answered have run (their wake-ups were
+        # queued first): their next queries join what is pending, so callers that step in
+        # lockstep (decoding requests, particles) stay in one batch instead of two cohorts
+        state.loop.call_soon(self._release, state)
+
+    def _release(self, state: _LoopState) -> None:
+        with self._lock:
+            state.busy = False
         self._maybe_dispatch(state)
 
 

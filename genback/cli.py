@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int_at_least(0), default=0, metavar="S",
                    help="particle i samples with seed S + i, so runs repeat (default: %(default)s)")
 
+    add("lm-eval", "run lm-evaluation-harness tasks with genback (lm-eval's own options)",
+        LM_EVAL_HELP)
+
     p = add("eval", "score a multiple-choice, perplexity or generation task from a JSONL file",
             "Run a local task file on a model and print its metrics.", [model_opts],
             epilog=EVAL_FORMATS)
@@ -468,6 +471,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LM_EVAL_HELP = (
+    "Run lm-evaluation-harness (lm-eval's own command line, the [eval] extra) with genback's "
+    "model registered as 'genback'; every argument after 'lm-eval' goes to lm-eval, and "
+    "'--model genback' is added when no --model is given. Example (offline, a local task "
+    "folder): genback lm-eval --model_args pretrained=smollm2-135m --tasks my_task "
+    "--include_path ./tasks --limit 20. genback's model_args: pretrained (alias, folder or Hub "
+    "id), backend (hf, vllm, mock), max_length, max_gen_toks, batch_size (requests in flight).")
+
+
+def cmd_lm_eval(args: list[str]) -> int:
+    """``genback lm-eval ARGS...``: lm-eval's CLI with the ``genback`` model registered."""
+    try:
+        from .engine.lm_eval_model import register_lm_eval
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as exc:
+        sys.stderr.write(_one_line("genback lm-eval", f"ImportError: {exc}", ""))
+        return 2
+    register_lm_eval()
+    if not any(a == "--model" or a.startswith("--model=") for a in args):
+        args = ["--model", "genback", *args]
+    saved = sys.argv
+    sys.argv = ["lm_eval", *args]
+    try:
+        cli_evaluate()
+    except SystemExit as exc:  # argparse errors and --help exit through here
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "chars": cmd_chars, "sample": cmd_sample,
             "eval": cmd_eval}
 
@@ -479,6 +513,9 @@ def main(argv=None) -> int:
     cannot be loaded), printed as one line ``genback CMD: error: ...``; 1 for any other error,
     also one line; 130 when interrupted. ``--debug`` re-raises instead (full traceback).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
+        return cmd_lm_eval(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     prog = f"genback {args.command}"

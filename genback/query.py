@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sampling import Pick
 
 
 @dataclass(frozen=True)
@@ -14,10 +18,21 @@ class Query:
     ``tokens + targets[-1:]``, i.e. ``tokens = context + continuation[:-1]`` and
     ``targets = continuation`` (float32 ``[len(targets)]``). ``targets == ()``: only compute and
     keep the KV of ``tokens`` (runners with a KV cache; the result is None).
+
+    ``greedy=True`` (with non-empty ``targets``): the result is the pair ``(logprobs float32
+    [n], is_greedy bool [n])``, ``is_greedy[i]`` telling whether ``targets[i]`` is the argmax of
+    its position's logits, both from the same forward (a scoring request).
+
+    ``pick`` (with ``targets is None``): a decoding step: the result is the
+    :class:`~genback.sampling.Choice` that :func:`genback.sampling.choose` makes from the logits
+    after ``tokens``, on the model's device (only the token and the asked-for log-probs leave
+    it). Runners that answer such queries have ``picks = True``.
     """
 
     tokens: tuple[int, ...]
     targets: tuple[int, ...] | None = None
+    greedy: bool = False
+    pick: "Pick | None" = None
 
     @property
     def n_outputs(self) -> int:

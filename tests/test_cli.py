@@ -58,7 +58,7 @@ def test_help_is_plain_text_and_every_option_has_help_and_default():
     top = run("--help")
     assert "``" not in top and ":class:" not in top  # plain text, not reStructuredText
     subparsers = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    assert set(subparsers.choices) == {"models", "logprobs", "chars", "sample", "eval"}
+    assert set(subparsers.choices) == {"models", "logprobs", "chars", "sample", "eval", "lm-eval"}
     for name, sub in subparsers.choices.items():
         for action in sub._actions:
             if action.dest in ("help",):

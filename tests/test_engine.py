@@ -199,6 +199,40 @@ def test_bad_requests_get_errors_others_are_answered(session):
         session.loglikelihood([good], batch_size=0)
 
 
+def test_malformed_requests_name_the_field(session):
+    """A stress probe's malformed requests: each fails alone with an error naming the field."""
+    good = LoglikelihoodRequest("The capital of France is", " Paris")
+    outs = session.loglikelihood([LoglikelihoodRequest(5, " x"), "The capital", good,
+                                  LoglikelihoodRequest("a", " b", context_input_ids="abc"),
+                                  LoglikelihoodRequest("a", " b", continuation_input_ids=[1.5])])
+    assert outs[0].metadata["error"] == "TypeError: context must be a str or None, got int: 5"
+    assert outs[1].metadata["error"].startswith(
+        "TypeError: a request must be a LoglikelihoodRequest")
+    assert "got str: 'The capital'" in outs[1].metadata["error"]
+    assert outs[2].logprob > -math.inf and "error" not in outs[2].metadata
+    assert "context_input_ids must be a list of int token ids, got str" in outs[3].metadata["error"]
+    assert "continuation_input_ids[0] must be an int token id, got float: 1.5" in \
+        outs[4].metadata["error"]
+    gens = session.generate([GenerationRequest(prompt=5, max_new_tokens=2),
+                             GenerationRequest(prompt=b"hi", max_new_tokens=2),
+                             GenerationRequest(prompt=["hi"], max_new_tokens=2),
+                             GenerationRequest(prompt="Hi", stop=5, max_new_tokens=2),
+                             GenerationRequest(prompt="Hi", messages="hello", max_new_tokens=2),
+                             GenerationRequest(prompt="Hi", max_new_tokens="2"),
+                             GenerationRequest(prompt="Hi", max_new_tokens=2)])
+    assert gens[0].metadata["error"] == "TypeError: prompt must be a str or None, got int: 5"
+    assert "prompt must be a str or None, got bytes: b'hi'" in gens[1].metadata["error"]
+    assert "prompt must be a str or None, got list: ['hi']" in gens[2].metadata["error"]
+    assert "stop must be a str or a list of str, got int: 5" in gens[3].metadata["error"]
+    assert "messages must be a list of dicts" in gens[4].metadata["error"]
+    assert "max_new_tokens must be an int >= 0, got str: '2'" in gens[5].metadata["error"]
+    assert gens[6].metadata["completion_tokens"] == 2
+    rolled = session.loglikelihood_rolling([RollingLoglikelihoodRequest(7),
+                                            RollingLoglikelihoodRequest("Hello there")])
+    assert rolled[0].metadata["error"] == "TypeError: text must be a str or None, got int: 7"
+    assert rolled[1].token_count > 0
+
+
 def test_errors_raise_mode(lm):
     with GenbackEngine(lm=lm, errors="raise").build() as s:
         with pytest.raises(ValueError, match="tokenizes to no tokens"):
@@ -299,17 +333,32 @@ async def test_stream_and_cancel(session, lm):
     assert final is not None and all(e.output is None for e in events[:-1])
     assert "".join(e.text for e in events) == final.text
     assert sum((e.token_ids for e in events), []) == final.metadata["token_ids"]
-    # leaving the loop early cancels the generation: no more model queries afterwards
+    # leaving the loop early cancels the generation: once the session's loop has no task left
+    # (the cancelled generation ended), it asked a handful of steps of the 200, and no more
     long = GenerationRequest(prompt="In a galaxy far away", max_new_tokens=200)
+    start = lm.cache_info()["queries"]
     seen = 0
     async for _ in session.stream(long):
         seen += 1
         if seen == 2:
             break
-    await asyncio.sleep(0.2)
-    before = lm.cache_info()["queries"]
-    await asyncio.sleep(0.5)
-    assert lm.cache_info()["queries"] == before
+    await session_idle(session)
+    used = lm.cache_info()["queries"] - start
+    assert 2 <= used <= 20
+    await session_idle(session)
+    assert lm.cache_info()["queries"] - start == used
+
+
+async def session_idle(session, polls: int = 1000) -> None:
+    """Wait (polling, bounded) until the session's loop runs no task besides this probe."""
+    async def others():
+        return len(asyncio.all_tasks()) - 1
+
+    for _ in range(polls):
+        if not await asyncio.wrap_future(session._runner.submit(others())):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the session's loop still runs tasks")
 
 
 def test_mock_backend_matches_its_rows():
@@ -324,3 +373,15 @@ def test_mock_backend_matches_its_rows():
         assert gen.metadata["completion_tokens"] + (gen.metadata["finish_reason"] == "eos") >= 1
     with pytest.raises(RuntimeError, match="closed"):  # the session loaded the model: closed it
         lm.next_token_logprobs_sync([1, 2])
+
+
+def test_engine_reads_eos_and_cache_from_the_public_surface(lm, session, gpt2_tok):
+    from genback.llm import MockAsyncLM
+
+    assert lm.tokenizer.eos_token_id in lm.eos_token_ids  # <|im_end|> = 2 on SmolLM2
+    assert session.describe_execution()["kv_cache"] == lm.cache_kind == "prefix tree"
+    mock = MockAsyncLM(gpt2_tok)
+    with GenbackEngine(lm=mock).build() as s:
+        assert s.describe_execution()["kv_cache"] is None
+        assert mock.eos_token_ids == {gpt2_tok.eos_token_id}
+    mock.close()

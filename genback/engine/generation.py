@@ -1,15 +1,18 @@
-"""Text generation on any ``AsyncLM``: prompt preparation, sampling, stop strings, streaming.
+"""Text generation on any ``AsyncLM``: prompt preparation, the generation config, stop strings,
+streaming.
 
-Decoding asks ``lm.next_token_logprobs(prompt + generated)`` once per step, so every request in
-flight joins the same auto-batches (continuous batching: a request that arrives mid-way joins
-the next batch) and, on ``AsyncTransformer``, each step forwards one token on top of the KV the
-previous step left in the prefix tree.
+Decoding asks ``lm.choose_next(prompt + generated, pick)`` once per step: the token is chosen by
+:mod:`genback.sampling` where the logits are (on ``AsyncTransformer`` on the model's device, only
+the token and the asked-for log-probs come back), and every request in flight joins the same
+auto-batches (continuous batching: a finished request leaves, a request that arrives mid-way
+joins the next step's forward). On ``AsyncTransformer`` each step forwards one token per request
+on top of the KV the previous step left in the prefix tree.
 
-Sampling follows the usual logits-warper order of ``transformers.generate``: temperature, then
-top-k, then top-p (nucleus sampling, Holtzman et al. 2020: keep the smallest set of most likely
-tokens whose probability reaches ``top_p``), then one ``torch.multinomial`` draw with a CPU
-``torch.Generator`` seeded per request, so a seeded request is reproducible whatever else runs
-beside it.
+The generation config of a request (:func:`generation_config`): ``temperature`` / ``do_sample``
+and ``max_new_tokens`` from the request's fields, the rest from ``request.metadata``: ``top_k``,
+``top_p``, ``min_p``, ``seed``, ``min_new_tokens``, ``stop_token_ids``, ``repetition_penalty``,
+``presence_penalty``, ``frequency_penalty``, ``no_repeat_ngram_size``, ``logprobs`` (bool) and
+``top_logprobs`` (int).
 """
 
 from __future__ import annotations
@@ -19,13 +22,12 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
+from ..sampling import Pick, SamplingParams
 from .encoding import encode_text, prefix_token_id
 from .types import GenerationOutput, GenerationRequest
 
-__all__ = ["StreamEvent", "SamplingParams", "sampling_params", "prepare_prompt", "eos_token_ids",
-           "decode", "next_token"]
+__all__ = ["StreamEvent", "GenerationConfig", "generation_config", "prepare_prompt",
+           "eos_token_ids", "decode"]
 
 
 @dataclass(slots=True)
@@ -50,52 +52,66 @@ class StreamEvent:
         return self.output is not None
 
 
+# metadata keys that are SamplingParams fields (besides seed)
+_PARAM_KEYS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "no_repeat_ngram_size", "logprobs", "top_logprobs")
+
+
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Resolved decoding options of one request (``greedy`` when not sampling)."""
+class GenerationConfig:
+    """A request's checked decoding options: the :class:`~genback.sampling.SamplingParams`, the
+    least number of new tokens before EOS / stop ids may end it, and extra stop token ids."""
 
-    greedy: bool
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-
-def _number(value, name: str, lo: float, hi: float = math.inf, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
-    return float(value)
+    params: SamplingParams
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
-def sampling_params(request: GenerationRequest, default_seed: int | None = None) -> SamplingParams:
-    """Decoding options from a request.
+def generation_config(request: GenerationRequest, default_seed: int | None = None
+                      ) -> GenerationConfig:
+    """The generation config of a request (see the module docstring for where each option is).
 
     Sampling happens when ``do_sample`` is true and ``temperature > 0``; otherwise decoding is
-    greedy (``do_sample=True`` with ``temperature == 0`` is the greedy limit). ``top_k``,
-    ``top_p`` and ``seed`` are read from ``request.metadata`` (Evalution's request has no such
-    fields); ``default_seed`` is used when the request gives none.
+    greedy (``do_sample=True`` with ``temperature == 0`` is the greedy limit). ``default_seed``
+    is used when a sampled request gives no seed.
 
     Raises:
-        ValueError / TypeError: ``num_beams != 1``, a negative temperature, ``top_k < 0``,
-            ``top_p`` outside ``(0, 1]``, a non-integer seed.
+        ValueError / TypeError: ``num_beams != 1``, ``metadata`` not a dict, or an option of
+            the wrong type or out of range (the message names it and the value).
     """
     if request.num_beams != 1:
         raise ValueError(f"num_beams must be 1 (genback decodes a single beam), got "
                          f"{request.num_beams!r}")
-    temperature = _number(request.temperature, "temperature", 0.0)
-    meta = request.metadata or {}
-    top_k = meta.get("top_k", 0) or 0
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
-        raise ValueError(f"metadata['top_k'] must be an int >= 0 (0: off), got {top_k!r}")
-    top_p = _number(meta.get("top_p", 1.0), "metadata['top_p']", 0.0, 1.0, lo_open=True)
-    seed = meta.get("seed", default_seed)
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-        raise TypeError(f"metadata['seed'] must be an int, got {seed!r}")
+    meta = request.metadata if request.metadata is not None else {}
+    if not isinstance(meta, dict):
+        raise TypeError(f"metadata must be a dict, got {type(meta).__name__}: {meta!r}")
+    temperature = request.temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or math.isnan(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not isinstance(request.do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {request.do_sample!r}")
     greedy = not (request.do_sample and temperature > 0)
-    return SamplingParams(greedy, temperature if not greedy else 1.0, int(top_k), top_p,
-                          None if seed is None else int(seed))
+    opts = {}
+    for key in _PARAM_KEYS:
+        if meta.get(key) is not None:
+            opts[key] = meta[key]
+    seed = meta.get("seed", default_seed)
+    try:
+        params = SamplingParams(greedy=greedy, temperature=1.0 if greedy else float(temperature),
+                                seed=seed, **opts)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"metadata: {exc}") from None
+    min_new = meta.get("min_new_tokens", 0) or 0
+    if isinstance(min_new, bool) or not isinstance(min_new, numbers.Integral) or min_new < 0:
+        raise ValueError(f"metadata['min_new_tokens'] must be an int >= 0, got {min_new!r}")
+    stop_ids = meta.get("stop_token_ids") or ()
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
+            for t in stop_ids):
+        raise TypeError(f"metadata['stop_token_ids'] must be a list of int token ids, got "
+                        f"{stop_ids!r}")
+    return GenerationConfig(params, int(min_new), tuple(int(t) for t in stop_ids))
 
 
 def prepare_prompt(tokenizer, request: GenerationRequest) -> tuple[str, list[int]]:
@@ -140,46 +156,27 @@ def prepare_prompt(tokenizer, request: GenerationRequest) -> tuple[str, list[int
 
 
 def eos_token_ids(lm) -> set[int]:
-    """The tokenizer's EOS plus the model's ``generation_config.eos_token_id`` (int or list)."""
-    ids = set()
-    if lm.tokenizer.eos_token_id is not None:
-        ids.add(int(lm.tokenizer.eos_token_id))
-    config = getattr(getattr(lm, "model", None), "generation_config", None)
-    extra = getattr(config, "eos_token_id", None)
-    if extra is not None:
-        ids.update(int(t) for t in ([extra] if isinstance(extra, int) else extra))
-    return ids
+    """The ids that end a generation on ``lm``: ``lm.eos_token_ids`` (the tokenizer's EOS and the
+    model's own, on every backend)."""
+    return set(lm.eos_token_ids)
 
 
-def next_token(logprobs: torch.Tensor, params: SamplingParams, generator) -> int:
-    """The next token from a float32 ``[V]`` log-prob row: argmax, or a draw after the warpers."""
-    if params.greedy:
-        return int(logprobs.argmax())
-    logits = logprobs.double() / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the tokens ranked above
-        drop = before >= params.top_p
-        drop[0] = False
-        probs = probs.clone()
-        probs[order[drop]] = 0.0
-    return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def _earliest_stop(text: str, stops: list[str]) -> int:
-    cuts = [text.find(s) for s in stops if s and s in text]
-    return min(cuts) if cuts else -1
+def _earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, str | None]:
+    """``(index, stop string)`` of the stop string that occurs first in ``text[start:]``
+    (``(-1, None)`` when none does)."""
+    best, found = -1, None
+    for stop in stops:
+        i = text.find(stop, start)
+        if i >= 0 and (best < 0 or i < best):
+            best, found = i, stop
+    return best, found
 
 
 async def decode(
     lm,
     prompt_text: str,
     prompt_ids: list[int],
-    params: SamplingParams,
+    config: GenerationConfig,
     *,
     max_new_tokens: int,
     stop: list[str],
@@ -190,44 +187,58 @@ async def decode(
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
-    Stops at an EOS token (not included; ``finish_reason="eos"``), when the text contains a stop
-    string (the text is cut at the earliest one; ``"stop"``), or after ``max_new_tokens`` tokens
-    or at the model's ``max_length`` (``"length"``). ``on_event`` receives the
-    :class:`StreamEvent` of every step, the last carrying the output.
+    Each step is one ``lm.choose_next`` query (the token is chosen where the logits are). Stops
+    at an EOS token or one of ``config.stop_token_ids`` (not included; ``finish_reason="eos"`` /
+    ``"stop"``; neither can end it before ``config.min_new_tokens``: they are banned until then),
+    when the text contains a stop string (checked on the new text of each step; the text is cut
+    at the earliest one; ``"stop"``), or after ``max_new_tokens`` tokens or at the model's
+    ``max_length`` (``"length"``). ``on_event`` receives the :class:`StreamEvent` of every step,
+    the last carrying the output.
 
     Returns:
         ``GenerationOutput(prompt=prompt_text, text, metadata)`` with metadata ``finish_reason``,
-        ``prompt_tokens``, ``completion_tokens`` (tokens generated, EOS excluded), ``token_ids``
-        and, when a stop string cut the text, ``stop``; plus the request's ``metadata``.
+        ``prompt_tokens``, ``completion_tokens`` (tokens generated, EOS excluded), ``token_ids``,
+        ``stop`` when a stop string or stop id ended it, and with ``logprobs`` / ``top_logprobs``
+        asked for, ``logprobs`` (one float per generated token) / ``top_logprobs`` (one list of
+        ``[token id, log-prob]`` pairs per generated token); plus the request's ``metadata``.
     """
     tokenizer = lm.tokenizer
-    generator = None
-    if not params.greedy:
-        generator = torch.Generator()
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
-        else:
-            generator.seed()
+    params = config.params
     stops = [s for s in stop if s]
     hold = max((len(s) for s in stops), default=1) - 1
+    enders = set(eos_ids) | set(config.stop_token_ids)
+    banned = tuple(sorted(t for t in enders if t < lm.vocab_size))
     generated: list[int] = []
+    logprobs: list[float] = []
+    tops: list[list[list]] = []
     text, emitted, pending_ids = "", 0, []
     finish, matched = "length", None
     while len(generated) < max_new_tokens:
         if max_length and len(prompt_ids) + len(generated) >= max_length:
             break
-        row = await lm.next_token_logprobs(prompt_ids + generated)
-        token = next_token(row, params, generator)
-        if token in eos_ids:
-            finish = "eos"
+        step = len(generated)
+        pick = Pick(params, len(prompt_ids), step,
+                    banned if step < config.min_new_tokens else ())
+        choice = await lm.choose_next(prompt_ids + generated, pick)
+        token = choice.token
+        if token in enders:
+            finish = "eos" if token in eos_ids else "stop"
+            if finish == "stop":
+                matched = token
             break
         generated.append(token)
         pending_ids.append(token)
+        if params.logprobs:
+            logprobs.append(choice.logprob)
+        if params.top_logprobs:
+            tops.append([[t, lp] for t, lp in choice.top_logprobs])
+        before = len(text)
         text = tokenizer.decode(generated)
-        cut = _earliest_stop(text, stops)
+        # only the new text can complete a stop string (back up for one that straddles, and
+        # for a partial UTF-8 character the new token completed)
+        cut, found = _earliest_stop(text, stops, max(0, before - hold - 2))
         if cut >= 0:
-            matched = min((s for s in stops if s in text), key=lambda s: text.find(s))
-            text, finish = text[:cut], "stop"
+            matched, text, finish = found, text[:cut], "stop"
             break
         if on_event is not None:
             safe = len(text) - hold
@@ -241,6 +252,10 @@ async def decode(
                 completion_tokens=len(generated), token_ids=list(generated))
     if matched is not None:
         meta["stop"] = matched
+    if params.logprobs:
+        meta["logprobs"] = logprobs
+    if params.top_logprobs:
+        meta["top_logprobs"] = tops
     output = GenerationOutput(prompt=prompt_text, text=text, metadata=meta)
     if on_event is not None:
         on_event(StreamEvent(text[emitted:], pending_ids, output))

@@ -43,6 +43,10 @@ __all__ = ["GenbackLM", "register_lm_eval"]
 
 log = logging.getLogger(__name__)
 
+# lm-eval generation kwargs that genback's generation config takes (GenerationRequest.metadata)
+_GEN_KWARGS = ("top_k", "top_p", "min_p", "seed", "min_new_tokens", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "no_repeat_ngram_size")
+
 
 class GenbackLM(TemplateLM):
     """lm-eval model over genback.
@@ -110,7 +114,9 @@ class GenbackLM(TemplateLM):
         items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
                  for _, ctx, cont in requests]  # the session truncates to its window
         results: list = []
-        step = self.session.max_in_flight  # one session call per chunk: contexts prefilled first
+        # one session call per 8 chunks (the session orders each call for sharing, then sends
+        # it in chunks of max_in_flight); the bar moves per call
+        step = 8 * self.session.max_in_flight
         with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
             for start in range(0, len(items), step):
                 outs = self.session.loglikelihood(items[start:start + step])
@@ -137,7 +143,7 @@ class GenbackLM(TemplateLM):
             context, gen_kwargs = req.args
             kw = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             until = handle_stop_sequences(kw.pop("until", None), eos=eos)
-            meta = {k: kw[k] for k in ("top_k", "top_p", "seed") if kw.get(k) is not None}
+            meta = {k: kw[k] for k in _GEN_KWARGS if kw.get(k) is not None}
             items.append((i, GenerationRequest(
                 prompt=context, stop=until, max_new_tokens=int(kw.pop("max_gen_toks")),
                 do_sample=bool(kw.get("do_sample", False)),

@@ -1,33 +1,30 @@
-"""Log-likelihood scoring coroutines on any ``AsyncLM``.
+"""Log-likelihood scoring coroutines on any ``AsyncLM``, and the order requests are sent in.
 
-:func:`score` answers one (context ids, continuation ids) pair with three model queries that
-other requests share:
+:func:`score` answers one (context ids, continuation ids) pair with a single model query,
+``lm.score(ctx, cont)``: one forward over ``ctx + cont[:-1]`` (only the part not already in the
+model's KV cache) gives the continuation's log-probs and, from the same logits on the model's
+device, whether each continuation token is the argmax. Concurrent requests share forwards (the
+model's batcher), and on ``AsyncTransformer`` a context that several requests of one batch share
+is forwarded once for all of them (the runner's shared-prefix prefill), so the choices of a
+multiple-choice question cost their own tokens only.
 
-1. ``lm.next_token_logprobs(ctx)``: the next-token row after the context. Every choice of a
-   multiple-choice question asks the same one, so the batcher computes it once and the output
-   cache keeps it; on ``AsyncTransformer`` it also leaves the context's KV in the prefix tree.
-2. ``lm.token_logprobs(ctx, cont)``: one forward over ``cont[:-1]`` (plus the context's last
-   token) on top of the cached context KV; the sum of its entries is the log-likelihood.
-3. only when needed for ``is_greedy``: next-token rows at the continuation positions whose token
-   is not settled. A position is settled when its token has probability > 1/2 (then it is
-   necessarily the argmax), and the whole answer is settled ``False`` as soon as one position's
-   row has another argmax; the first position's row is query 1's. So most choices of a
-   multiple-choice question cost no extra query.
+:func:`sharing_order` sorts requests so that those sharing a context (or a longer common
+prefix, e.g. a few-shot preamble) are sent together; a chunk of requests then meets its shared
+KV in one batch, and the runner groups each batch's rows by length so that forwards pad little.
 
-Issuing query 1 first (and awaiting it) makes choices reuse the context's KV instead of each
-choice prefilling it.
+:func:`score_rolling` scores a text in lm-eval's disjoint rolling windows, all windows as
+concurrent queries (so the windows of every text in flight share batches).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from typing import Sequence
 
 from .encoding import rolling_windows
 
-__all__ = ["score", "score_rolling"]
-
-_HALF = math.log(0.5)
+__all__ = ["score", "score_rolling", "sharing_order"]
 
 
 async def score(lm, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
@@ -46,16 +43,8 @@ async def score(lm, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
     """
     if not cont:
         raise ValueError("the continuation tokenizes to no tokens; nothing to score")
-    first_row = await lm.next_token_logprobs(ctx)
-    lps = (await lm.token_logprobs(ctx, cont)).tolist()
-    total = math.fsum(lps)
-    if int(first_row.argmax()) != cont[0]:
-        return total, False
-    unsure = [i for i in range(1, len(cont)) if lps[i] <= _HALF]
-    if not unsure:
-        return total, True
-    rows = await asyncio.gather(*(lm.next_token_logprobs(ctx + cont[:i]) for i in unsure))
-    return total, all(int(row.argmax()) == cont[i] for i, row in zip(unsure, rows))
+    logprobs, greedy = await lm.score(ctx, cont)
+    return math.fsum(logprobs.tolist()), bool(greedy.all())
 
 
 async def score_rolling(lm, tokens: list[int], prefix: int, max_length: int) -> float:
@@ -71,3 +60,13 @@ async def score_rolling(lm, tokens: list[int], prefix: int, max_length: int) -> 
     windows = list(rolling_windows(tokens, prefix, max_length))
     parts = await asyncio.gather(*(lm.token_logprobs(c, t) for c, t in windows))
     return math.fsum(math.fsum(p.tolist()) for p in parts)
+
+
+def sharing_order(pairs: Sequence[tuple[Sequence[int], Sequence[int]] | None]) -> list[int]:
+    """Indices of ``pairs`` in the order to send them: ``None`` entries (requests that failed
+    to encode) first, then by the tokens of ``context + continuation`` in lexicographic order, so
+    requests with a common context or prefix are adjacent (ties keep their input order)."""
+    bad = [i for i, p in enumerate(pairs) if p is None]
+    good = [i for i, p in enumerate(pairs) if p is not None]
+    good.sort(key=lambda i: (tuple(pairs[i][0]), tuple(pairs[i][1])))
+    return bad + good

@@ -28,11 +28,13 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Callable
 
 from .base import BaseInferenceSession
+from .checks import (check_generation_request, check_loglikelihood_request,
+                     check_rolling_request, token_ids)
 from .encoding import (PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id,
                        truncate_pair)
-from .generation import StreamEvent, decode, eos_token_ids, prepare_prompt, sampling_params
+from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
-from .scoring import score, score_rolling
+from .scoring import score, score_rolling, sharing_order
 from .types import (GenerationOutput, GenerationRequest, LoglikelihoodOutput,
                     LoglikelihoodRequest, RollingLoglikelihoodOutput, RollingLoglikelihoodRequest)
 
@@ -41,14 +43,6 @@ __all__ = ["GenbackSession"]
 log = logging.getLogger(__name__)
 
 _ERRORS = ("record", "raise")
-
-
-def _ids(value, name: str) -> list[int] | None:
-    if value is None:
-        return None
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"{name} must be a list of int token ids, got {type(value).__name__}")
-    return [int(t) for t in value]
 
 
 class GenbackSession(BaseInferenceSession):
@@ -109,7 +103,7 @@ class GenbackSession(BaseInferenceSession):
                 return default(request, f"{type(exc).__name__}: {exc}")
         return run()
 
-    async def _gather(self, requests: list, fn, default, limit: int | None, prefill=None):
+    async def _gather(self, requests: list, fn, default, limit: int | None) -> list:
         limit = limit or self.max_in_flight
         semaphore = asyncio.Semaphore(limit)
 
@@ -117,27 +111,18 @@ class GenbackSession(BaseInferenceSession):
             async with semaphore:
                 return await self._guarded(fn, request, default)
 
-        results: list = []
-        # with a prefill step, requests go in chunks of ``limit``: first the chunk's shared
-        # prefixes, then its requests, so long prefills and short scoring forwards do not share
-        # (and pad) batches
-        step = limit if prefill is not None else max(1, len(requests))
-        for start in range(0, len(requests), step):
-            chunk = requests[start:start + step]
-            if prefill is not None:
-                await prefill(chunk)
-            results += await asyncio.gather(*(one(r) for r in chunk), return_exceptions=True)
+        results = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         return results
 
-    def _run_all(self, requests, fn, default, batch_size, prefill=None) -> list:
+    def _run_all(self, requests, fn, default, batch_size) -> list:
         requests = list(requests)
         if not requests:
             return []
         _check_batch_size(batch_size)
-        return self._runner.call(self._gather(requests, fn, default, batch_size, prefill))
+        return self._runner.call(self._gather(requests, fn, default, batch_size))
 
     def _continuous(self, items: Iterable, fn, default, batch_size) -> Iterator[tuple[Any, Any]]:
         _check_batch_size(batch_size)
@@ -147,8 +132,9 @@ class GenbackSession(BaseInferenceSession):
     # -- log-likelihood ----------------------------------------------------------------------------
 
     def _encode_ll(self, request: LoglikelihoodRequest) -> tuple[list[int], list[int]]:
-        ctx = _ids(request.context_input_ids, "context_input_ids")
-        cont = _ids(request.continuation_input_ids, "continuation_input_ids")
+        check_loglikelihood_request(request)
+        ctx = token_ids(request.context_input_ids, "context_input_ids")
+        cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
         if ctx is None and cont is None:
             ctx, cont = encode_pair(self.tokenizer, request.context or "",
                                     request.continuation or "", self.pair_encoding)
@@ -167,22 +153,42 @@ class GenbackSession(BaseInferenceSession):
         return truncate_pair(ctx, cont, self.max_length)
 
     async def _loglikelihood_one(self, request: LoglikelihoodRequest) -> LoglikelihoodOutput:
-        ctx, cont = self._encode_ll(request)
+        return await self._score_encoded((request, self._encode_ll(request)))
+
+    async def _score_encoded(self, item) -> LoglikelihoodOutput:
+        request, encoded = item
+        if isinstance(encoded, Exception):  # the request's own encoding error, reported here
+            raise encoded
+        ctx, cont = encoded
         logprob, greedy = await score(self.lm, ctx, cont)
         return LoglikelihoodOutput(logprob, greedy, len(cont), dict(request.metadata or {}))
 
-    async def _prefill_contexts(self, requests: list[LoglikelihoodRequest]) -> None:
-        """Compute the next-token row (and, on KV backends, the KV) of each distinct context
-        once; bad requests are skipped here and fail in their own scoring."""
-        contexts = {}
+    async def _loglikelihood_all(self, requests: list, limit: int) -> list:
+        """Encode every request, send them in :func:`sharing_order` in chunks of ``limit``
+        (each chunk one round of concurrent ``lm.score`` queries, so one batch), and return
+        the outputs in request order."""
+        encoded: list = []
         for request in requests:
             try:
-                ctx, _ = self._encode_ll(request)
-            except Exception:  # noqa: BLE001 - reported by the request's own scoring
-                continue
-            contexts[tuple(ctx)] = None
-        await asyncio.gather(*(self.lm.next_token_logprobs(list(c)) for c in contexts),
-                             return_exceptions=True)
+                encoded.append(self._encode_ll(request))
+            except Exception as exc:  # noqa: BLE001 - reported as this request's error
+                encoded.append(exc)
+        order = sharing_order([None if isinstance(e, Exception) else e for e in encoded])
+        results: list = [None] * len(requests)
+        error = None
+        for start in range(0, len(order), limit):
+            chunk = order[start:start + limit]
+            outs = await asyncio.gather(*(
+                self._guarded(self._score_encoded, (requests[i], encoded[i]),
+                              lambda item, message: self._ll_error(item[0], message))
+                for i in chunk), return_exceptions=True)
+            for i, out in zip(chunk, outs):
+                if isinstance(out, BaseException):
+                    error = error or out
+                results[i] = out
+        if error is not None:
+            raise error
+        return results
 
     @staticmethod
     def _ll_error(request, message: str) -> LoglikelihoodOutput:
@@ -195,11 +201,16 @@ class GenbackSession(BaseInferenceSession):
 
         ``logprob`` is the summed natural-log probability of the continuation tokens,
         ``is_greedy`` whether each is the argmax given what precedes it, ``token_count`` the
-        number of continuation tokens scored. Requests sharing a context share its KV.
-        ``batch_size``: most requests in flight (default ``max_in_flight``).
+        number of continuation tokens scored. Each request is one model query (one forward
+        gives its log-probs and greedy flags); requests are sent in chunks of ``batch_size``
+        (default ``max_in_flight``) in an order that puts shared contexts together, so requests
+        sharing a context share its KV.
         """
-        return self._run_all(requests, self._loglikelihood_one, self._ll_error, batch_size,
-                             prefill=self._prefill_contexts)
+        requests = list(requests)
+        if not requests:
+            return []
+        _check_batch_size(batch_size)
+        return self._runner.call(self._loglikelihood_all(requests, batch_size or self.max_in_flight))
 
     def loglikelihood_continuous(self, requests: Iterable[tuple[Any, LoglikelihoodRequest]], *,
                                  batch_size: int | None = None
@@ -209,7 +220,8 @@ class GenbackSession(BaseInferenceSession):
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
     async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
-        tokens = _ids(request.input_ids, "input_ids")
+        check_rolling_request(request)
+        tokens = token_ids(request.input_ids, "input_ids")
         if tokens is None:
             tokens = encode_text(self.tokenizer, request.text or "")
         total = await score_rolling(self.lm, tokens, prefix_token_id(self.tokenizer),
@@ -237,21 +249,17 @@ class GenbackSession(BaseInferenceSession):
 
     async def _generate_one(self, request: GenerationRequest,
                             on_event: Callable[[StreamEvent], None] | None = None) -> GenerationOutput:
-        params = sampling_params(request)
-        if not params.greedy and params.seed is None:
-            params = dataclasses.replace(params, seed=self._seed())
-        max_new = request.max_new_tokens
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new!r}")
-        stop = request.stop or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) for s in stop):
-            raise TypeError(f"stop must be a list of str, got {request.stop!r}")
+        stop = check_generation_request(request)
+        max_new = int(request.max_new_tokens)
+        config = generation_config(request)
+        if not config.params.greedy and config.params.seed is None:
+            config = dataclasses.replace(
+                config, params=dataclasses.replace(config.params, seed=self._seed()))
         text, ids = prepare_prompt(self.tokenizer, request)
         if len(ids) > self.max_length:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than the model window "
                              f"max_length={self.max_length}")
-        return await decode(self.lm, text, ids, params, max_new_tokens=max_new, stop=stop,
+        return await decode(self.lm, text, ids, config, max_new_tokens=max_new, stop=stop,
                             eos_ids=self._eos, max_length=self.max_length, on_event=on_event,
                             metadata=request.metadata)
 
@@ -266,8 +274,8 @@ class GenbackSession(BaseInferenceSession):
     def generate(self, requests: list[GenerationRequest], *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """One ``GenerationOutput`` per request, in order (see :func:`genback.engine.generation.decode`
-        for stopping and metadata, :func:`~genback.engine.generation.sampling_params` for
-        greedy vs sampling)."""
+        for stopping and metadata, :func:`~genback.engine.generation.generation_config` for
+        greedy vs sampling and the options)."""
         return self._run_all(requests, self._generate_one, self._gen_error, batch_size)
 
     def generate_continuous(self, requests: Iterable[tuple[Any, GenerationRequest]], *,
@@ -357,17 +365,11 @@ class GenbackSession(BaseInferenceSession):
             "device": None if device is None else str(device),
             "batching": "continuous (genback auto-batcher)",
             "lm_batch_size": getattr(lm, "batch_size", None),
-            "kv_cache": "prefix tree" if _has_kv_tree(lm) else None,
+            "kv_cache": lm.cache_kind,
             "max_length": self.max_length,
             "pair_encoding": self.pair_encoding,
             "errors": self.errors,
         }
-
-
-def _has_kv_tree(lm) -> bool:
-    from ..llm import AsyncTransformer
-
-    return isinstance(lm, AsyncTransformer)
 
 
 def _check_batch_size(batch_size) -> None:

@@ -114,7 +114,7 @@ def _run_mc(session, rows, progress):
 
     scores: dict = {}
     errors = 0
-    step = session.max_in_flight  # one session call per chunk: contexts are prefilled first
+    step = 8 * session.max_in_flight  # the session orders each call for sharing; the bar moves per call
     with tqdm(total=len(items), desc="multiple choice", disable=not progress, unit="req") as bar:
         for start in range(0, len(items), step):
             chunk = items[start:start + step]

@@ -10,7 +10,6 @@ runner and add their own constructors.
 from __future__ import annotations
 
 import asyncio
-import numbers
 import threading
 from typing import Sequence
 
@@ -20,10 +19,11 @@ from ..batcher import Batcher, BatcherClosed
 from ..output_cache import OutputCache
 from ..query import Query
 from ..runner import Runner
+from .decoding import Decoding
 from .inputs import check_lora, check_positive_int, check_token_ids
 
 
-class AsyncLM:
+class AsyncLM(Decoding):
     """Base class: auto-batched, cached next-token log-probs over a fixed vocabulary.
 
     Args:
@@ -35,6 +35,8 @@ class AsyncLM:
         batch_window: seconds a batch waits for more queries, from its first query (finite, >= 0).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
         max_context_length: most tokens a context may have (None: no limit).
+        eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
+            config's); see :attr:`eos_token_ids`.
 
     Raises:
         ValueError: an option out of range.
@@ -50,12 +52,18 @@ class AsyncLM:
         batch_window: float = 0.002,
         row_cache_size: int = 1024,
         max_context_length: int | None = None,
+        eos_token_ids=(),
     ):
         self.tokenizer = tokenizer
         self.vocab_size = check_positive_int(
             len(tokenizer) if vocab_size is None else vocab_size, "vocab_size"
         )
         self.max_context_length = max_context_length
+        eos = set(check_token_ids(list(eos_token_ids), self.vocab_size, "eos_token_ids",
+                                  allow_empty=True))
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self._eos_token_ids = frozenset(eos)
         self._runner = runner
         self._output_cache = OutputCache(row_cache_size)
         self._batcher = Batcher(
@@ -96,6 +104,19 @@ class AsyncLM:
     def timeout(self, value: float) -> None:
         self.batch_window = value
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end a generation: the tokenizer's EOS and the model's own (AsyncTransformer:
+        ``generation_config.eos_token_id``; AsyncVirtualLM: the model folder's generation
+        config)."""
+        return self._eos_token_ids
+
+    @property
+    def cache_kind(self) -> str | None:
+        """What model state the backend keeps between queries, in words (``"prefix tree"`` for
+        AsyncTransformer's KV tree, ``"vLLM prefix cache"``), or None."""
+        return getattr(self._runner, "cache_kind", None)
+
     # -- vocabulary -----------------------------------------------------------------------------
 
     def _vocabs(self):
@@ -121,7 +142,8 @@ class AsyncLM:
         results: list = [None] * len(queries)
         todo = []
         for i, q in enumerate(queries):
-            row = self._output_cache.get(q.tokens) if q.targets is None else None
+            row = (self._output_cache.get(q.tokens)
+                   if q.targets is None and q.pick is None else None)
             if row is not None:  # computed by an earlier batch since this query was submitted
                 results[i] = row
             else:
@@ -132,7 +154,7 @@ class AsyncLM:
                 computed = self._runner.run([queries[i] for i in todo])
             for i, value in zip(todo, computed):
                 results[i] = value
-                if queries[i].targets is None:
+                if queries[i].targets is None and queries[i].pick is None:
                     self._output_cache.put(queries[i].tokens, value)
         return results
 
@@ -224,6 +246,20 @@ class AsyncLM:
             raise ValueError(f"{name} must hold at least one context, got an empty list")
         return list(token_ids_list)
 
+    def _pair_query(self, context_ids, continuation_ids, greedy: bool) -> Query:
+        context = self._check_ids(context_ids, "context_ids")
+        continuation = self._check_ids(continuation_ids, "continuation_ids")
+        total = len(context) + len(continuation)
+        if self.max_context_length and total > self.max_context_length:
+            raise ValueError(
+                f"context_ids + continuation_ids has {total} tokens ({len(context)} + "
+                f"{len(continuation)}), more than the model's context of {self.max_context_length}"
+            )
+        self._check_open()
+        query = Query(context + continuation[:-1], continuation, greedy)
+        self._count(len(query.tokens))
+        return query
+
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
         """Log-prob of each continuation token given the context and the tokens before it.
 
@@ -236,83 +272,38 @@ class AsyncLM:
                 two together longer than the model's context.
         """
         check_lora(lora_name)
-        context = self._check_ids(context_ids, "context_ids")
-        continuation = self._check_ids(continuation_ids, "continuation_ids")
-        total = len(context) + len(continuation)
-        if self.max_context_length and total > self.max_context_length:
-            raise ValueError(
-                f"context_ids + continuation_ids has {total} tokens ({len(context)} + "
-                f"{len(continuation)}), more than the model's context of {self.max_context_length}"
-            )
-        self._check_open()
-        query = Query(context + continuation[:-1], continuation)
-        self._count(len(query.tokens))
+        query = self._pair_query(context_ids, continuation_ids, greedy=False)
         result = await self._batcher.submit(query, query)
         return result.clone()
 
-    # -- sampling ---------------------------------------------------------------------------------
+    async def score(self, context_ids, continuation_ids, lora_name=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score a continuation: its log-probs and whether each token is the greedy choice.
 
-    async def sample(
-        self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0, seed=None,
-        lora_name=None,
-    ) -> list[int]:
-        """Ancestral sampling, one token per step through :meth:`next_token_logprobs`.
+        One query, answered by one forward over ``context_ids + continuation_ids[:-1]`` (only
+        its uncached part on backends with a KV cache); the log-probs and the argmax flags are
+        computed on the model's device at the continuation's positions only, and concurrent
+        calls share forwards like every other query.
 
-        Each step draws from ``softmax(logprobs / temperature)`` with ``torch.multinomial`` and a
-        CPU ``torch.Generator`` seeded with ``seed`` (reproducible when given). Stops after
-        ``max_tokens`` tokens or at a token in ``eos_token_ids`` (not included).
+        Args:
+            context_ids: non-empty ids in ``[0, V)``.
+            continuation_ids: non-empty ids in ``[0, V)``.
+            lora_name: must be None (no adapters).
 
         Returns:
-            the generated token ids (without the prompt).
+            ``(logprobs, is_greedy)``: float32 CPU ``[n]`` (``logprobs[i] = log p(cont[i] | ctx +
+            cont[:i])``, as :meth:`token_logprobs`) and bool CPU ``[n]`` (``cont[i]`` is the
+            argmax of that distribution), ``n = len(continuation_ids)``.
 
         Raises:
-            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids.
+            TypeError / ValueError: bad or empty ids, or the two together longer than the
+                model's context (only this caller fails).
+            BatcherClosed: the model was closed or reset while the query waited.
         """
-        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
-                                              temperature)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator().manual_seed(int(seed))
-        generated: list[int] = []
-        for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(prompt + generated, lora_name=lora_name)
-            probs = torch.softmax(logprobs / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator).item())
-            if token in eos:
-                break
-            generated.append(token)
-        return generated
-
-    def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
-        """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call (shared by
-        every backend's ``sample``); raises as :meth:`sample` documents."""
-        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-        eos = set(check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
-        return prompt, eos
-
-    async def batch_sample(
-        self, prompt_token_ids_list, max_tokens, eos_token_ids, temperature=1.0, seed=None,
-        lora_name=None,
-    ) -> list[list[int]]:
-        """Sample every prompt concurrently (their steps share batches).
-
-        ``seed``: None, one int (prompt ``i`` uses ``seed + i``), or a list with one seed per prompt.
-        """
-        prompts = self._check_list(prompt_token_ids_list, "prompt_token_ids_list")
-        if seed is None or isinstance(seed, numbers.Integral):
-            seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
-        else:
-            seeds = list(seed)
-            if len(seeds) != len(prompts):
-                raise ValueError(f"seed has {len(seeds)} entries for {len(prompts)} prompts")
-        return list(await asyncio.gather(*(
-            self.sample(p, max_tokens, eos_token_ids, temperature, s, lora_name)
-            for p, s in zip(prompts, seeds)
-        )))
+        check_lora(lora_name)
+        query = self._pair_query(context_ids, continuation_ids, greedy=True)
+        logprobs, greedy = await self._batcher.submit(query, query)
+        return logprobs.clone(), greedy.clone()
 
     # -- caches and lifecycle -------------------------------------------------------------------------
 
@@ -386,3 +377,4 @@ class AsyncLM:
         with self._forward_lock:
             self._runner.close()
         self._output_cache.clear()
+

@@ -78,6 +78,7 @@ class AsyncTransformer(AsyncLM):
             batch_window=batch_window if timeout is None else timeout,
             row_cache_size=row_cache_size,
             max_context_length=getattr(hf_model.config, "max_position_embeddings", None),
+            eos_token_ids=_config_eos(getattr(hf_model, "generation_config", None)),
         )
 
     @classmethod
@@ -147,3 +148,11 @@ class AsyncTransformer(AsyncLM):
         with self._forward_lock:
             out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
+
+
+def _config_eos(config) -> list[int]:
+    """The ``eos_token_id`` of a generation config (an int, a list, or absent) as a list."""
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]

@@ -14,10 +14,13 @@ import numpy as np
 import torch
 
 from ..query import Query
+from ..sampling import choose
 
 
 class MockRunner:
     """Runner of :class:`~genback.llm.MockAsyncLM` over a vocabulary of ``vocab_size`` tokens."""
+
+    picks = True  # answers decoding-step queries (Query.pick)
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -35,15 +38,22 @@ class MockRunner:
         results = []
         for q in queries:
             self.tokens_forwarded += len(q.tokens)
-            if q.targets is None:
+            if q.pick is not None:
+                results.append(choose(self.row(q.tokens), q.tokens, q.pick))
+            elif q.targets is None:
                 results.append(self.row(q.tokens))
             elif q.targets == ():
                 results.append(None)
             else:
                 start = len(q.tokens) - len(q.targets) + 1
-                results.append(torch.stack([
-                    self.row(q.tokens[: start + j])[t] for j, t in enumerate(q.targets)
-                ]))
+                rows = [self.row(q.tokens[: start + j]) for j in range(len(q.targets))]
+                lps = torch.stack([row[t] for row, t in zip(rows, q.targets)])
+                if q.greedy:
+                    flags = torch.tensor([int(row.argmax()) == t
+                                          for row, t in zip(rows, q.targets)])
+                    results.append((lps, flags))
+                else:
+                    results.append(lps)
         return results
 
     def stats(self) -> dict:

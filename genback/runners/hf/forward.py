@@ -8,8 +8,9 @@ positions, and keep logits only at the positions some row needs (``logits_to_kee
 * :func:`dense_forward`: for models without the attention interface: each row's whole past is
   assembled (left-padded) into a ``DynamicCache``.
 
-Each fills ``row.result`` (float32 CPU ``[V]`` for a next-token row, ``[n]`` for target
-log-probs, None for KV-only) and ``row.new_kv`` (``[layers, 2, kv_heads, n_new, dim]``), and
+The language-model head runs only at the (row, position) pairs some row needs. Each fills
+``row.result`` (float32 CPU ``[V]`` for a next-token row, ``[n]`` for target log-probs, with
+``query.greedy`` the pair of those and bool ``[n]`` argmax flags, None for KV-only) and ``row.new_kv`` (``[layers, 2, kv_heads, n_new, dim]``), and
 returns the KV bytes its attention read.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ...sampling import choose_rows
 from . import tree_attention
 from .plan import Row, split_segments
 from .tree_cache import TreeCache
@@ -39,34 +41,117 @@ def _wanted(rows: list[Row], n_new: list[int]) -> list[int]:
     return sorted({j for r, m in zip(rows, n_new) for j in range(m - r.query.n_outputs, m)})
 
 
-def _results(rows: list[Row], n_new: list[int], wanted: list[int], logits: torch.Tensor) -> None:
-    """Fill ``row.result`` from logits ``[R, len(wanted), V]``."""
+def _picks(rows: list[Row], n_new: list[int], wanted: list[int]) -> list[int]:
+    """Flat indices into the ``[R, len(wanted)]`` grid of the (row, position) pairs whose logits
+    the rows need, row by row (each row's positions in order)."""
     column = {j: k for k, j in enumerate(wanted)}
+    W = len(wanted)
+    return [i * W + column[j] for i, (r, m) in enumerate(zip(rows, n_new))
+            if r.query.targets != () for j in range(m - r.query.n_outputs, m)]
+
+
+# target log-probs are taken in slices of this many positions (bounds the float32 temporaries
+# of a long rolling window: 1,024 x 49,152 x 4 bytes = 200 MB)
+_SLICE = 1024
+
+
+def _results(rows: list[Row], logits: torch.Tensor) -> None:
+    """Fill ``row.result`` from ``logits`` ``[K, V]`` (on the model's device), the needed positions
+    of the rows in :func:`_picks` order.
+
+    A next-token row gets ``log_softmax`` of its position (float32 CPU ``[V]``), a decoding step
+    (``query.pick``) the :class:`~genback.sampling.Choice` made on the device; a target row
+    its targets' log-probs (float32 CPU ``[n]``), and with ``query.greedy`` also whether each
+    target is its position's argmax (bool CPU ``[n]``). Only these leave the device: one
+    transfer for all target rows, one for all next-token rows.
+    """
     dev = logits.device
-    for i, r in enumerate(rows):
-        m, targets = n_new[i], r.query.targets
-        if targets == ():  # KV only (a shared-prefix prefill)
+    row_at, row_rows, tgt_at, targets = [], [], [], []
+    k = 0
+    for r in rows:
+        t = r.query.targets
+        if t == ():  # KV only (a shared-prefix prefill)
             continue
-        if targets is None:
-            r.result = torch.log_softmax(logits[i, column[m - 1]].float(), dim=-1).cpu().clone()
+        if t is None:
+            row_at.append(k)
+            row_rows.append(r)
+            k += 1
         else:
-            cols = torch.tensor([column[j] for j in range(m - len(targets), m)], device=dev)
-            rows_lp = torch.log_softmax(logits[i].index_select(0, cols).float(), dim=-1)
-            r.result = rows_lp.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0].cpu()
+            tgt_at.extend(range(k, k + len(t)))
+            targets.extend(t)
+            k += len(t)
+    picks = [r for r in rows if r.query.pick is not None]
+    if len(picks) < len(row_at):
+        idx = torch.tensor([k for k, r in zip(row_at, row_rows) if r.query.pick is None],
+                           device=dev)
+        full = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1).cpu()
+    if tgt_at:
+        idx = torch.tensor(tgt_at, device=dev)
+        tgt = torch.tensor(targets, device=dev)
+        lps, flags = [], []
+        for s in range(0, len(tgt_at), _SLICE):
+            part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
+            want = tgt[s:s + _SLICE, None]
+            flags.append(part.argmax(dim=-1) == want[:, 0])
+            # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
+            lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
+        lps = torch.cat(lps).cpu()
+        flags = torch.cat(flags).cpu()
+    if picks:  # decoding steps: chosen on the device
+        at = torch.tensor([k for k, r in zip(row_at, row_rows) if r.query.pick is not None],
+                          device=dev)
+        for r, choice in zip(picks, choose_rows(logits.index_select(0, at),
+                                                [r.query.tokens for r in picks],
+                                                [r.query.pick for r in picks])):
+            r.result = choice
+    a = b = 0
+    for r in row_rows:
+        if r.query.pick is None:
+            r.result = full[a].clone()
+            a += 1
+    for r in rows:
+        t = r.query.targets
+        if t is None or t == ():
+            continue
+        lp = lps[b:b + len(t)].clone()
+        r.result = (lp, flags[b:b + len(t)].clone()) if r.query.greedy else lp
+        b += len(t)
 
 
-def _run_model(model, input_ids, positions, wanted, cache, attention_mask=None):
+def _run_model(model, input_ids, positions, rows, n_new, cache, attention_mask=None):
+    """Forward; return the logits ``[K, V]`` of the positions the rows need (:func:`_picks`).
+
+    The language-model head runs only on those positions: a pre-hook on the output embeddings
+    selects them from the hidden states ``[R, W, H]`` of the union of the rows' positions
+    (``logits_to_keep``), so rows that need different positions pay for their own only.
+    """
     dev = model.device if hasattr(model, "device") else input_ids.device
-    with torch.inference_mode():
-        out = model(
-            input_ids=input_ids.to(dev),
-            attention_mask=attention_mask,
-            position_ids=positions.to(dev),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=dev),
-        )
-    return out
+    wanted = _wanted(rows, n_new)
+    picks = torch.tensor(_picks(rows, n_new, wanted), dtype=torch.long, device=dev)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def select(module, args):  # hidden [R, W, H] -> [1, K, H]
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, picks)[None],) + args[1:]
+
+    handle = head.register_forward_pre_hook(select) if head is not None else None
+    try:
+        with torch.inference_mode():
+            out = model(
+                input_ids=input_ids.to(dev),
+                attention_mask=attention_mask,
+                position_ids=positions.to(dev),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=dev),
+            )
+    finally:
+        if handle is not None:
+            handle.remove()
+    logits = out.logits
+    if head is None:  # no head module to hook: select from the full grid
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, picks)
+    return out, logits.reshape(-1, logits.shape[-1])
 
 
 def _split_new_kv(rows: list[Row], n_new: list[int], new_kv: torch.Tensor) -> None:
@@ -120,10 +205,9 @@ def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shar
         for kv, idx in shared]
     new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
     batch = tree_attention.TreeBatch(segments, pool, index, P, mask.to(dev), new_kv, kernel)
-    wanted = _wanted(rows, n_new)
     with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
-        out = _run_model(model, input_ids, positions, wanted, TreeCache(batch))
-    _results(rows, n_new, wanted, out.logits)
+        _, logits = _run_model(model, input_ids, positions, rows, n_new, TreeCache(batch))
+    _results(rows, logits)
     _split_new_kv(rows, n_new, new_kv)
     token_bytes = n_layers * 2 * heads * dim * new_kv.element_size()
     return token_bytes * (sum(kv.shape[3] for kv, _ in shared) + R * P)
@@ -156,10 +240,9 @@ def dense_forward(model, rows: list[Row], *, pad_id: int, layout: tuple) -> int:
             cache.update(past[layer, 0][:, :, :0], past[layer, 1][:, :, :0], layer)
             cache.layers[layer].keys, cache.layers[layer].values = past[layer, 0], past[layer, 1]
         del past
-    wanted = _wanted(rows, n_new)
-    out = _run_model(model, input_ids, positions, wanted, cache,
-                     None if bool(mask.all()) else mask.to(dev))
-    _results(rows, n_new, wanted, out.logits)
+    out, logits = _run_model(model, input_ids, positions, rows, n_new, cache,
+                             None if bool(mask.all()) else mask.to(dev))
+    _results(rows, logits)
     layers = out.past_key_values.layers
     new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
     for j, layer in enumerate(layers):  # the new tokens' KV, one copy

@@ -79,6 +79,9 @@ class HFRunner:
         ValueError: an option out of range, or ``attention="tree"`` on a model without support.
     """
 
+    picks = True  # answers decoding-step queries (Query.pick) on the model's device
+    cache_kind = "prefix tree"  # AsyncLM.cache_kind
+
     def __init__(self, model, *, pad_id: int = 0, kv_budget_bytes: int | None = None,
                  max_batch_tokens: int = 4096, max_forward_bytes: int | None = None,
                  min_shared_tokens: int = 64, attention: str = "auto"):
@@ -132,7 +135,10 @@ class HFRunner:
     # -- the runner protocol ----------------------------------------------------------------------
 
     def run(self, queries: Sequence[Query]) -> list:
-        contexts = [q.tokens for q in queries]
+        # a query forwards at least its tokens from len(tokens) - n_outputs on (their logits are
+        # needed), so what a prefill can save it is the part before: for a scoring query
+        # (context + continuation[:-1], continuation) its context without the last token
+        contexts = [q.tokens[: len(q.tokens) - q.n_outputs + 1] for q in queries]
         shared = shared_prefixes(contexts, lambda t: self.tree.match(t, touch=False)[1])
         # prefill prefixes that several queries share but nobody has cached, once each; nested
         # prefixes go in rounds, shortest first, so a longer one reuses the shorter one's KV
@@ -202,9 +208,9 @@ class HFRunner:
             for group in group_rows(todo, self.max_batch_tokens, self.max_forward_bytes,
                                     self._score_bytes):
                 self._forward(group)
-            for r in todo:
-                self.tree.insert(r.query.tokens, r.cached, r.new_kv)
-                r.new_kv = None
+                for r in group:  # commit each forward's KV at once: a batch's new KV is never
+                    self.tree.insert(r.query.tokens, r.cached, r.new_kv)  # all held at one time
+                    r.new_kv = None
         finally:
             for r in rows:
                 self.tree.release(r.holder)

@@ -1,0 +1,131 @@
+"""Decoding steps and sampling on ``AsyncLM`` (a base class of it, split out for size).
+
+``choose_next`` is one decoding step (the token chosen by :mod:`genback.sampling` where the
+logits are); ``sample`` / ``batch_sample`` are ancestral sampling built on it. The methods use
+``AsyncLM``'s checks, output cache, batcher and runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+
+from ..query import Query
+from ..sampling import Choice, Pick, SamplingParams, choose
+from .inputs import check_lora, check_token_ids
+
+
+class Decoding:
+    """``choose_next``, ``sample`` and ``batch_sample`` of :class:`~genback.llm.AsyncLM`."""
+
+    async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
+        """One decoding step: choose the token after ``token_ids`` as ``pick`` says.
+
+        Concurrent steps of different requests share forwards (continuous batching: every
+        active generation steps in the same batch). Runners that choose on the model's device
+        (``AsyncTransformer``, the mock) get the step as a query and return only the token and
+        the asked-for log-probs; for the others (vLLM rows) :func:`genback.sampling.choose`
+        runs on the next-token row. A row already in the output cache is used as it is.
+
+        Args:
+            token_ids: the context (prompt then generated tokens), non-empty ids in ``[0, V)``.
+            pick: a :class:`genback.sampling.Pick` (its ``params`` are already validated).
+
+        Returns:
+            :class:`genback.sampling.Choice`.
+
+        Raises:
+            TypeError / ValueError: bad ``token_ids`` or ``pick``, or every token banned.
+        """
+        check_lora(lora_name)
+        if not isinstance(pick, Pick):
+            raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
+        key = self._check_ids(token_ids)
+        self._check_open()
+        self._count(len(key))
+        row = self._output_cache.get(key)
+        if row is None and getattr(self._runner, "picks", False):
+            query = Query(key, pick=pick)
+            return await self._batcher.submit(query, query)
+        if row is None:
+            row = await self._batcher.submit(key, Query(key))
+        return choose(row, key, pick)
+
+    async def sample(
+        self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0, seed=None,
+        lora_name=None,
+    ) -> list[int]:
+        """Ancestral sampling, one :meth:`choose_next` step per token.
+
+        Each step draws from ``softmax(logits / temperature)`` (:mod:`genback.sampling`, on the
+        model's device where the runner supports it), with a generator seeded from ``(seed,
+        step)``: reproducible when ``seed`` is given, whatever else is computed beside it. Stops
+        after ``max_tokens`` tokens or at a token in ``eos_token_ids`` (not included).
+
+        Returns:
+            the generated token ids (without the prompt).
+
+        Raises:
+            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids.
+            TypeError: a ``temperature`` that is not a number (``True`` included), a ``seed``
+                that is not an int or None.
+        """
+        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
+                                              temperature)
+        _check_seed(seed, "seed")
+        params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
+        generated: list[int] = []
+        for step in range(max_tokens):
+            choice = await self.choose_next(prompt + generated, Pick(params, len(prompt), step),
+                                            lora_name=lora_name)
+            if choice.token in eos:
+                break
+            generated.append(choice.token)
+        return generated
+
+    def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
+        """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call (shared by
+        every backend's ``sample``); raises as :meth:`sample` documents."""
+        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a number > 0, got "
+                            f"{type(temperature).__name__}: {temperature!r}")
+        if not temperature > 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+        eos = set(check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
+        return prompt, eos
+
+    async def batch_sample(
+        self, prompt_token_ids_list, max_tokens, eos_token_ids, temperature=1.0, seed=None,
+        lora_name=None,
+    ) -> list[list[int]]:
+        """Sample every prompt concurrently (their steps share batches).
+
+        ``seed``: None, one int (prompt ``i`` uses ``seed + i``), or a list with one seed per prompt.
+        """
+        prompts = self._check_list(prompt_token_ids_list, "prompt_token_ids_list")
+        if seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):
+            seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
+        elif isinstance(seed, (list, tuple)):
+            seeds = list(seed)
+            if len(seeds) != len(prompts):
+                raise ValueError(f"seed has {len(seeds)} entries for {len(prompts)} prompts")
+            for i, s in enumerate(seeds):
+                _check_seed(s, f"seed[{i}]")
+        else:
+            raise TypeError(f"seed must be None, an int, or a list of ints (one per prompt), got "
+                            f"{type(seed).__name__}: {seed!r}")
+        return list(await asyncio.gather(*(
+            self.sample(p, max_tokens, eos_token_ids, temperature, s, lora_name)
+            for p, s in zip(prompts, seeds)
+        )))
+
+
+
+def _check_seed(seed, name: str) -> None:
+    """``TypeError`` naming ``name`` unless ``seed`` is None or an int (not a bool)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"{name} must be an int or None, got {type(seed).__name__}: {seed!r}")
