@@ -12,7 +12,8 @@ computes, new queries keep joining the next batch (so batches grow under load in
 
 The computation runs on one worker thread, so the event loop keeps serving while the model runs.
 Queries with an identical ``key`` in one pending batch are computed once and every caller gets the
-result. A computation that raises fails exactly the callers of its batch. A caller cancelled before
+result. A computation that raises fails exactly the callers of its batch; a result that is an
+exception instance fails exactly the callers of that query. A caller cancelled before
 its batch is dispatched is dropped and not computed. Each event loop that uses the batcher gets its
 own pending batch, so one object serves ``asyncio.run`` after ``asyncio.run``.
 
@@ -232,9 +233,10 @@ class Batcher:
                 ))
             else:
                 for entry, result in zip(batch, results):
+                    failed = isinstance(result, BaseException)  # fails this query only
                     for f in entry.futures:
                         if not f.done():
-                            f.set_result(result)
+                            f.set_exception(result) if failed else f.set_result(result)
         self._maybe_dispatch(state)
 
 

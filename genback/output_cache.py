@@ -47,6 +47,14 @@ class OutputCache:
             while len(self._rows) > self.max_entries:
                 self.bytes_held -= _nbytes(self._rows.popitem(last=False)[1])
 
+    def drop(self, predicate) -> int:
+        """Remove every row whose key satisfies ``predicate(key)``; return how many."""
+        with self._lock:
+            keys = [k for k in self._rows if predicate(k)]
+            for k in keys:
+                self.bytes_held -= _nbytes(self._rows.pop(k))
+            return len(keys)
+
     def clear(self) -> None:
         with self._lock:
             self._rows.clear()

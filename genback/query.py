@@ -14,10 +14,14 @@ class Query:
     ``tokens + targets[-1:]``, i.e. ``tokens = context + continuation[:-1]`` and
     ``targets = continuation`` (float32 ``[len(targets)]``). ``targets == ()``: only compute and
     keep the KV of ``tokens`` (runners with a KV cache; the result is None).
+
+    ``adapter``: None for the base model, else the runner's key of a LoRA adapter (the same
+    tokens under two adapters are two different queries).
     """
 
     tokens: tuple[int, ...]
     targets: tuple[int, ...] | None = None
+    adapter: int | None = None
 
     @property
     def n_outputs(self) -> int:

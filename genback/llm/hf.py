@@ -4,6 +4,9 @@ The computation is :class:`genback.runners.hf.HFRunner`'s: each batch is planned
 prefix tree, every query forwards only the tokens after its longest cached prefix, and attention
 reads each shared tree segment once for all the rows below it (tree attention), so a step of
 hundreds of particles over one long prompt costs little more than over a short one.
+
+LoRA adapters (peft) are registered by name (``add_new_lora``) and chosen per query
+(``lora_name=``); the KV tree and the row cache are keyed by adapter.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class AsyncTransformer(AsyncLM):
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
                           attention=attention, min_shared_tokens=min_shared_tokens)
+        self._loras: dict[str, int] = {}  # registered name -> the runner's adapter key
+        self._retired: dict[int, str] = {}  # keys of removed / replaced adapters -> why
         super().__init__(
             hf_tokenizer,
             runner,
@@ -119,6 +124,87 @@ class AsyncTransformer(AsyncLM):
             ) from exc
         return cls(model, tokenizer, **kwargs)
 
+    # -- LoRA adapters ------------------------------------------------------------------------------
+
+    def add_new_lora(self, lora_path, lora_name: str) -> None:
+        """Load the peft LoRA adapter saved in folder ``lora_path`` under ``lora_name``.
+
+        Queries then pick it with ``lora_name=...``; rows under it are computed with the
+        adapter's weights and cached separately from the base model's and other adapters'
+        (KV tree and row cache are keyed by adapter). The first adapter wraps the model's target
+        modules in place (peft); base queries (``lora_name=None``) run with adapters switched
+        off. A batch holding several adapters computes one adapter at a time.
+
+        Registering a name again replaces that adapter: its cached KV and rows are dropped and
+        its queries still pending fail with ``ValueError``.
+
+        Raises:
+            TypeError: ``lora_name`` is not a str, or ``lora_path`` not a str / path.
+            ValueError: empty ``lora_name``; ``lora_path`` is not a folder holding a peft
+                adapter, or peft cannot load it for this model.
+            ImportError: peft is not installed (``pip install "genback[lora]"``).
+        """
+        from ..runners.hf.lora import check_adapter_path
+
+        if not isinstance(lora_name, str):
+            raise TypeError(f"lora_name must be a str, got {type(lora_name).__name__}: "
+                            f"{lora_name!r}")
+        if not lora_name:
+            raise ValueError(f"lora_name must be non-empty, got {lora_name!r}")
+        path = check_adapter_path(lora_path)
+        self._check_open()
+        with self._forward_lock:
+            key = self._runner.add_adapter(path)
+            old = self._loras.get(lora_name)
+            self._loras[lora_name] = key
+            if old is not None:
+                self._drop_adapter(old, f"lora_name={lora_name!r} was replaced by add_new_lora "
+                                        "while this query was pending")
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload adapter ``lora_name``: its weights, cached KV and rows are dropped, and its
+        queries still pending fail with ``ValueError``.
+
+        Raises:
+            ValueError: no adapter is registered under ``lora_name``.
+        """
+        key = self._lora_key(lora_name)
+        if key is None:
+            raise ValueError("lora_name must name a registered adapter, got None")
+        with self._forward_lock:
+            if self._loras.get(lora_name) != key:  # removed meanwhile by another thread
+                raise ValueError(f"lora_name={lora_name!r} is not a registered adapter")
+            del self._loras[lora_name]
+            self._drop_adapter(key, f"lora_name={lora_name!r} was removed (remove_lora) while "
+                                    "this query was pending")
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the registered adapters."""
+        return sorted(self._loras)
+
+    def _drop_adapter(self, key: int, why: str) -> None:
+        # forward lock held: no forward of this adapter runs now
+        self._retired[key] = why
+        self._runner.remove_adapter(key)
+        self._output_cache.drop(lambda k: isinstance(k, tuple) and len(k) == 2
+                                and k[0] == key and isinstance(k[1], tuple))
+
+    def _lora_key(self, lora_name) -> int | None:
+        if lora_name is None:
+            return None
+        key = self._loras.get(lora_name) if isinstance(lora_name, str) else None
+        if key is None:
+            registered = sorted(self._loras) or "none (add one with add_new_lora)"
+            raise ValueError(f"lora_name={lora_name!r} is not a registered adapter; "
+                             f"registered: {registered}")
+        return key
+
+    def _adapter_error(self, adapter: int | None) -> Exception | None:
+        if adapter is None or adapter not in self._retired:
+            return None
+        return ValueError(self._retired[adapter])
+
     # -- statistics and reference --------------------------------------------------------------------
 
     @property
@@ -138,12 +224,11 @@ class AsyncTransformer(AsyncLM):
         Returns float32 CPU ``[V]``.
 
         Raises:
-            TypeError / ValueError: bad ``token_ids`` or a ``lora_name`` (no adapters).
+            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name``.
         """
-        from .inputs import check_lora
-
-        check_lora(lora_name)
+        adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
         with self._forward_lock:
+            self._runner.lora.activate(adapter)
             out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
