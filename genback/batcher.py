@@ -32,8 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
 
-class BatcherClosed(RuntimeError):
-    """Raised to callers of a batcher that was closed or reset."""
+class BatchAbandoned(RuntimeError):
+    """A pending query's batch was given up before it was computed (genlm-backend's name; catch
+    it to handle every such failure)."""
+
+
+class BatcherClosed(BatchAbandoned):
+    """Raised to callers of a batcher that was closed or reset (a :class:`BatchAbandoned`)."""
 
 
 class _Entry:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from ..batcher import Batcher, BatcherClosed
+from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
 from ..output_cache import OutputCache
 from ..query import Query
 from ..runner import Runner
