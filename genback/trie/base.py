@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+import warnings
 from functools import cached_property
 
 import numpy as np
@@ -104,18 +105,25 @@ class TokenCharacterTrie:
             return
         lay = self._layout
         plain = [Token.is_plain_bytes(x) for x in self.decode]
+        if any(plain):
+            warnings.warn(
+                "TokenCharacterTrie: plain bytes in decode are deprecated (as in genlm-backend); "
+                "use Token objects from decode_vocab(), which keep equal byte strings apart",
+                DeprecationWarning, stacklevel=4)
         prev = None
         for k in lay.order.tolist():  # equal byte strings are adjacent in leaf order
             if plain[k]:
                 if prev is not None and self.decode[prev] == self.decode[k]:
                     raise ValueError(
-                        f"TokenCharacterTrie: duplicate bytes {self.decode[k]!r} in decode "
-                        f"(positions {prev} and {k}); use Token objects to keep duplicates"
+                        f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate bytes "
+                        f"{self.decode[k]!r} in decode (positions {prev} and {k}); use Token "
+                        "objects to keep duplicates"
                     )
                 prev = k
         other = [x for x in self.decode if not isinstance(x, bytes)]
         if len(other) != len(set(other)):
-            raise ValueError("TokenCharacterTrie: duplicate non-bytes item in decode")
+            raise ValueError("TokenCharacterTrie: Duplicate word in vocabulary: a repeated "
+                             "non-bytes item in decode")
 
     def _word_key(self, item):
         return (bytes(item), item.token_id) if isinstance(item, Token) else item
