@@ -118,6 +118,11 @@ class Batcher:
             BatcherClosed: the batcher was closed, or reset while the query was pending.
             Exception: whatever ``compute`` raised for this query's batch.
         """
+        return await self.enqueue(key, query)
+
+    def enqueue(self, key: Hashable, query: Any) -> asyncio.Future:
+        """Queue ``query`` now (call it on a running event loop's thread); return the future of
+        its result, which fails as :meth:`submit` raises."""
         if self._closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         loop = asyncio.get_running_loop()
@@ -135,7 +140,7 @@ class Batcher:
                 # a replaced entry had only cancelled callers
                 state.pending[key] = _Entry(key, query, future)
         self._maybe_dispatch(state)
-        return await future
+        return future
 
     def reset(self, exc: BaseException | None = None) -> int:
         """Fail every pending (not yet dispatched) query with ``exc``; return how many callers.
@@ -156,6 +161,22 @@ class Batcher:
             failed += sum(not f.done() for f in futures)
             _fail_threadsafe(state.loop, futures, exc)
         return failed
+
+    def pending(self, loop: asyncio.AbstractEventLoop) -> list:
+        """The queries waiting in ``loop``'s pending batch (not yet dispatched), oldest first."""
+        with self._lock:
+            state = self._states.get(loop)
+            return [] if state is None else [e.query for e in state.pending.values() if e.live()]
+
+    def flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Dispatch ``loop``'s pending batch now instead of at the end of its window (it still
+        waits for that loop's running batch, if any). Call it on ``loop``'s thread."""
+        with self._lock:
+            state = self._states.get(loop)
+            if state is None:
+                return
+            state.window_expired = True
+        self._maybe_dispatch(state)
 
     def close(self) -> None:
         """Fail pending queries and stop the worker (waits for the running batch). Idempotent."""

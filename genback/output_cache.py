@@ -20,7 +20,7 @@ class OutputCache:
     """LRU map ``context -> row`` holding at most ``max_entries`` rows (0 disables caching).
 
     Args:
-        max_entries: most rows kept (genlm-backend's name: ``maxsize``).
+        maxsize: most rows kept (also the attribute ``max_entries``).
         move_to_cpu: keep tensors on the CPU and hand them back on the device they were
             stored from (``cache[key]``; ``get`` returns the stored CPU tensor).
 
@@ -28,10 +28,10 @@ class OutputCache:
         ValueError: ``max_entries`` is negative or not an int.
     """
 
-    def __init__(self, max_entries: int, move_to_cpu: bool = False):
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-            raise ValueError(f"row_cache_size must be an int >= 0, got {max_entries!r}")
-        self.max_entries = max_entries
+    def __init__(self, maxsize: int, move_to_cpu: bool = False):
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"row_cache_size must be an int >= 0, got {maxsize!r}")
+        self.max_entries = maxsize
         self.move_to_cpu = bool(move_to_cpu)
         self._devices: dict = {}  # key -> the device a tensor came from (move_to_cpu only)
         self._rows: OrderedDict[Hashable, object] = OrderedDict()

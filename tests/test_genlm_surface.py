@@ -13,7 +13,7 @@ from genback.output_cache import OutputCache
 
 
 def test_output_cache_mapping_api_is_lru():
-    cache = OutputCache(2)
+    cache = OutputCache(maxsize=2, move_to_cpu=False)
     assert cache.maxsize == 2 and len(cache) == 0 and "a" not in cache
     cache["a"] = torch.zeros(3)
     cache["b"] = torch.ones(3)
@@ -79,4 +79,54 @@ def test_uncached_reference_rejects_unknown_lora_name(tiny_hf, gpt2_tok):
     lm = AsyncTransformer(tiny_hf, gpt2_tok)
     with pytest.raises(ValueError, match="lora_name='x'"):
         lm.next_token_logprobs_uncached([1, 2], lora_name="x")
+    lm.close()
+
+
+def test_walk_cache_reports_cached_prefix_and_its_kv(tiny_hf, gpt2_tok):
+    from genback.llm import AsyncTransformer
+
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    ids = gpt2_tok.encode("This is a test of caching")
+    node, n, past, base = lm.walk_cache(ids)
+    assert n == base == 0 and past is None and node.past_key_values is None
+    lm.cache_kv(ids[:4])
+    node, n, past, base = lm.walk_cache(ids)
+    assert n == base == 4 and node.past_key_values is not None
+    assert past.shape[3] == 4 and past.shape[:2] == (tiny_hf.config.n_layer, 2)
+    lm.next_token_logprobs_sync(ids)  # every evaluated context leaves its KV
+    assert lm.walk_cache(ids)[1] == len(ids)
+    # the KV walk_cache returns is the model's own KV for those tokens
+    with torch.inference_mode():
+        ref = tiny_hf(torch.tensor([ids]), use_cache=True).past_key_values
+    _, _, past, _ = lm.walk_cache(ids)
+    assert (past[0, 0] - ref.layers[0].keys[0]).abs().max() < 1e-5
+    lm.close()
+
+
+def test_add_query_joins_the_batcher_and_reset_fails_it(tiny_hf, gpt2_tok):
+    from genback.llm import AsyncTransformer
+
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=30.0)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        first, second = loop.create_future(), loop.create_future()
+        lm.add_query([1, 2, 3], first)
+        lm.add_query([4, 5], second)
+        assert [q.tokens for q in lm.queries] == [(1, 2, 3), (4, 5)]
+        lm.batch_evaluate_queries()  # dispatch now instead of after 30 s
+        rows = await asyncio.wait_for(asyncio.gather(first, second), 50)  # hang guard
+        assert lm.queries == [] and lm.cache_info()["batches"] == 1
+        third = loop.create_future()
+        lm.add_query([6], third)
+        lm.queries = []  # genlm-backend's way to drop the queue: the query fails
+        with pytest.raises(BatchAbandoned):
+            await third
+        with pytest.raises(ValueError, match="query"):
+            lm.add_query([], loop.create_future())
+        return rows
+
+    rows = asyncio.run(scenario())
+    assert (rows[0] - lm.next_token_logprobs_uncached([1, 2, 3])).abs().max() < 1e-5
+    lm.batch_evaluate_queries()  # no running loop: nothing to do
     lm.close()

@@ -21,9 +21,10 @@ from ..output_cache import OutputCache
 from ..query import Query
 from ..runner import Runner
 from .inputs import check_lora, check_positive_int, check_token_ids
+from .queue_api import QueueHooks
 
 
-class AsyncLM:
+class AsyncLM(QueueHooks):
     """Base class: auto-batched, cached next-token log-probs over a fixed vocabulary.
 
     Args:

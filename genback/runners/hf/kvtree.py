@@ -45,6 +45,11 @@ class _Node:
         self.depth = depth  # tokens from the root to the end of this node's edge
         self.bytes = 0 if kv is None else kv.numel() * kv.element_size()
 
+    @property
+    def past_key_values(self):
+        """genlm-backend's name of ``kv`` (this node's edge's KV, or None for a root)."""
+        return self.kv
+
 
 class KVTree:
     """Radix tree of cached KV states with a byte budget and LRU eviction.
