@@ -93,22 +93,25 @@ class TokenCharacterTrie:
             if len(ids) != len(set(ids)):
                 seen: set = set()
                 dup = next(i for i in ids if i in seen or seen.add(i))
-                raise ValueError(f"TokenCharacterTrie: duplicate Token id {dup} in decode")
+                raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
+                                 f"Token id {dup} in decode")
             return
         tokens = [x for x in self.decode if isinstance(x, Token)]
         ids = [x.token_id for x in tokens]
         if len(ids) != len(set(ids)):
             seen: set = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
-            raise ValueError(f"TokenCharacterTrie: duplicate Token id {dup} in decode")
+            raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
+                                 f"Token id {dup} in decode")
         if len(tokens) == len(self.decode):
             return
         lay = self._layout
         plain = [Token.is_plain_bytes(x) for x in self.decode]
         if any(plain):
             warnings.warn(
-                "TokenCharacterTrie: plain bytes in decode are deprecated (as in genlm-backend); "
-                "use Token objects from decode_vocab(), which keep equal byte strings apart",
+                "Passing plain bytes to TokenCharacterTrie is deprecated (genlm-backend's "
+                "wording): use Token objects from decode_vocab(), which keep equal byte strings "
+                "apart",
                 DeprecationWarning, stacklevel=4)
         prev = None
         for k in lay.order.tolist():  # equal byte strings are adjacent in leaf order
