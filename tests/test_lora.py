@@ -219,7 +219,7 @@ def test_replace_and_remove(adapters, merged, smol_hf, ids):
         lm.close()
 
 
-def test_bad_names_and_paths(lm, adapters, tmp_path, ids):
+def test_bad_names_and_paths(lm, adapters, tmp_path, ids, monkeypatch):
     with pytest.raises(ValueError, match=r"lora_name='nope' is not a registered adapter.*'a'"):
         asyncio.run(lm.next_token_logprobs(ids[:3], lora_name="nope"))
     with pytest.raises(ValueError, match="lora_name='nope'"):
@@ -236,6 +236,10 @@ def test_bad_names_and_paths(lm, adapters, tmp_path, ids):
         lm.remove_lora("nope")
     with pytest.raises(ValueError, match="is not an existing folder"):
         lm.add_new_lora(str(tmp_path / "missing"), "c")
+    with monkeypatch.context() as m:  # a Hub id that is not cached, with the Hub off
+        m.setenv("HF_HUB_OFFLINE", "1")
+        with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+            lm.add_new_lora("someorg/no-such-adapter", "c")
     with pytest.raises(ValueError, match="no peft adapter"):
         lm.add_new_lora(str(tmp_path), "c")
     with pytest.raises(TypeError, match="lora_name must be a str"):
@@ -266,3 +270,20 @@ def test_adapter_for_another_architecture_is_a_clear_error(tmp_path, smol_hf):
                 - lm.next_token_logprobs_uncached(ids)).abs().max() < SELF_TOL
     finally:
         lm.close()
+
+
+def test_adapter_by_hub_id_from_local_cache(lm, adapters, merged, ids, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from huggingface_hub import constants
+    from test_hub_cache import COMMIT, _add_to_hub_cache
+
+    _add_to_hub_cache(tmp_path / "hub", "someorg/smol-lora-a", Path(adapters["a"]), COMMIT)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm.add_new_lora("someorg/smol-lora-a", "from-hub")
+    try:
+        row = lm.next_token_logprobs_sync(ids[:8], lora_name="from-hub")
+        assert (row - merged["a"](ids[:8])).abs().max() < MERGED_TOL
+    finally:
+        lm.remove_lora("from-hub")
