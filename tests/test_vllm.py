@@ -301,6 +301,16 @@ async def test_bad_input_fails_only_its_caller(vlm, ref):
         await vlm.sample([1, 2], 2, [], seed="x")
 
 
+def test_lora_needs_an_engine_built_with_enable_lora(vlm, tmp_path):
+    pytest.importorskip("peft")
+    from test_lora import _make_adapter
+
+    path = _make_adapter(tmp_path / "a", 1, ["q_proj"], 2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        vlm.add_new_lora(path, "a")
+    assert vlm.lora_names == []
+
+
 def test_engine_opts_that_break_full_rows_are_rejected():
     with pytest.raises(ValueError, match="max_logprobs"):
         AsyncVirtualLM.from_name("smollm2-135m", engine_opts={"max_logprobs": 20})
@@ -337,3 +347,4 @@ async def test_engine_failure_fails_requests_then_close_frees_it(engine_procs):
     while time.time() < deadline and any(p.is_running() and p.status() != "zombie" for p in procs):
         time.sleep(0.2)
     assert not [p for p in procs if p.is_running() and p.status() != "zombie"]
+

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from ..runners.hf import HFRunner
+from .adapters import AdapterNames
 from .base import AsyncLM
 
 
-class AsyncTransformer(AsyncLM):
+class AsyncTransformer(AdapterNames, AsyncLM):
     """Async, auto-batched next-token log-probs from a Hugging Face causal LM, with KV reuse.
 
     Args:
@@ -73,8 +74,7 @@ class AsyncTransformer(AsyncLM):
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
                           attention=attention, min_shared_tokens=min_shared_tokens)
-        self._loras: dict[str, int] = {}  # registered name -> the runner's adapter key
-        self._retired: dict[int, str] = {}  # keys of removed / replaced adapters -> why
+        self._init_adapters()
         super().__init__(
             hf_tokenizer,
             runner,
@@ -124,86 +124,13 @@ class AsyncTransformer(AsyncLM):
             ) from exc
         return cls(model, tokenizer, **kwargs)
 
-    # -- LoRA adapters ------------------------------------------------------------------------------
+    # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
 
-    def add_new_lora(self, lora_path, lora_name: str) -> None:
-        """Load the peft LoRA adapter saved in folder ``lora_path`` under ``lora_name``.
+    def _load_adapter(self, path: str) -> int:
+        return self._runner.add_adapter(path)
 
-        Queries then pick it with ``lora_name=...``; rows under it are computed with the
-        adapter's weights and cached separately from the base model's and other adapters'
-        (KV tree and row cache are keyed by adapter). The first adapter wraps the model's target
-        modules in place (peft); base queries (``lora_name=None``) run with adapters switched
-        off. A batch holding several adapters computes one adapter at a time.
-
-        Registering a name again replaces that adapter: its cached KV and rows are dropped and
-        its queries still pending fail with ``ValueError``.
-
-        Raises:
-            TypeError: ``lora_name`` is not a str, or ``lora_path`` not a str / path.
-            ValueError: empty ``lora_name``; ``lora_path`` is not a folder holding a peft
-                adapter, or peft cannot load it for this model.
-            ImportError: peft is not installed (``pip install "genback[lora]"``).
-        """
-        from ..runners.hf.lora import check_adapter_path
-
-        if not isinstance(lora_name, str):
-            raise TypeError(f"lora_name must be a str, got {type(lora_name).__name__}: "
-                            f"{lora_name!r}")
-        if not lora_name:
-            raise ValueError(f"lora_name must be non-empty, got {lora_name!r}")
-        path = check_adapter_path(lora_path)
-        self._check_open()
-        with self._forward_lock:
-            key = self._runner.add_adapter(path)
-            old = self._loras.get(lora_name)
-            self._loras[lora_name] = key
-            if old is not None:
-                self._drop_adapter(old, f"lora_name={lora_name!r} was replaced by add_new_lora "
-                                        "while this query was pending")
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Unload adapter ``lora_name``: its weights, cached KV and rows are dropped, and its
-        queries still pending fail with ``ValueError``.
-
-        Raises:
-            ValueError: no adapter is registered under ``lora_name``.
-        """
-        key = self._lora_key(lora_name)
-        if key is None:
-            raise ValueError("lora_name must name a registered adapter, got None")
-        with self._forward_lock:
-            if self._loras.get(lora_name) != key:  # removed meanwhile by another thread
-                raise ValueError(f"lora_name={lora_name!r} is not a registered adapter")
-            del self._loras[lora_name]
-            self._drop_adapter(key, f"lora_name={lora_name!r} was removed (remove_lora) while "
-                                    "this query was pending")
-
-    @property
-    def lora_names(self) -> list[str]:
-        """Names of the registered adapters."""
-        return sorted(self._loras)
-
-    def _drop_adapter(self, key: int, why: str) -> None:
-        # forward lock held: no forward of this adapter runs now
-        self._retired[key] = why
+    def _unload_adapter(self, key: int) -> None:
         self._runner.remove_adapter(key)
-        self._output_cache.drop(lambda k: isinstance(k, tuple) and len(k) == 2
-                                and k[0] == key and isinstance(k[1], tuple))
-
-    def _lora_key(self, lora_name) -> int | None:
-        if lora_name is None:
-            return None
-        key = self._loras.get(lora_name) if isinstance(lora_name, str) else None
-        if key is None:
-            registered = sorted(self._loras) or "none (add one with add_new_lora)"
-            raise ValueError(f"lora_name={lora_name!r} is not a registered adapter; "
-                             f"registered: {registered}")
-        return key
-
-    def _adapter_error(self, adapter: int | None) -> Exception | None:
-        if adapter is None or adapter not in self._retired:
-            return None
-        return ValueError(self._retired[adapter])
 
     def walk_cache(self, token_ids, lora_name=None):
         """genlm-backend's view of the KV cache: how much of ``token_ids`` has cached KV.

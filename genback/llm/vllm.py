@@ -47,8 +47,8 @@ import weakref
 import torch
 
 from ..batcher import Batcher
+from .adapters import AdapterNames
 from .base import AsyncLM, Query
-from .inputs import check_lora
 
 SUPPORTED_VLLM = ">=0.32,<0.33"
 
@@ -72,7 +72,7 @@ def _import_vllm():
     return vllm
 
 
-class AsyncVirtualLM(AsyncLM):
+class AsyncVirtualLM(AdapterNames, AsyncLM):
     """Async, auto-batched next-token log-probs from a vLLM engine (same API as AsyncTransformer).
 
     Args:
@@ -130,6 +130,9 @@ class AsyncVirtualLM(AsyncLM):
         self.forwards = 0  # engine calls
         self.requests = 0  # engine requests
         self.tokens_forwarded = 0  # prompt tokens not served from vLLM's prefix cache
+        self._init_adapters()
+        self._lora_requests: dict[int, object] = {}  # adapter key -> vllm LoRARequest
+        self._next_lora_id = 1  # vLLM's lora_int_id must be > 0
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", engine_opts: dict | None = None,
@@ -218,14 +221,47 @@ class AsyncVirtualLM(AsyncLM):
 
     # -- computation --------------------------------------------------------------------------------
 
-    def _generate(self, prompts: list[tuple[int, ...]], params: list) -> list:
-        """One ``LLM.generate`` call (forward lock held); engine errors become RuntimeError."""
+    # -- LoRA adapters (vLLM's LoRARequest per request; names: AdapterNames) --------------------
+
+    def _load_adapter(self, path: str) -> int:
+        """Register the adapter folder ``path`` as a ``LoRARequest`` (vLLM loads it with the
+        first request that uses it).
+
+        Raises:
+            ValueError: the engine was built without ``enable_lora=True``.
+        """
+        if getattr(self.llm.llm_engine.vllm_config, "lora_config", None) is None:
+            raise ValueError(
+                "this vLLM engine was built without LoRA: pass engine_opts={'enable_lora': True, "
+                "'max_lora_rank': R} (R >= the adapter's rank) to AsyncVirtualLM.from_name")
+        from vllm.lora.request import LoRARequest
+
+        key, self._next_lora_id = self._next_lora_id, self._next_lora_id + 1
+        self._lora_requests[key] = LoRARequest(f"genback-lora-{key}", key, path)
+        return key
+
+    def _unload_adapter(self, key: int) -> None:
+        self._lora_requests.pop(key, None)
+        if self.llm is not None:
+            try:
+                self.llm.llm_engine.remove_lora(key)
+            except Exception:  # noqa: BLE001 - never loaded by a request: nothing to free
+                pass
+            self.llm.reset_prefix_cache()
+
+    def _generate(self, prompts: list[tuple[int, ...]], params: list,
+                  adapters: list | None = None) -> list:
+        """One ``LLM.generate`` call (forward lock held); engine errors become RuntimeError.
+        ``adapters``: each prompt's adapter key (None: the base model)."""
         if self.llm is None:
             raise RuntimeError("the model was closed (aclose); no more queries are served")
+        loras = None
+        if adapters is not None and any(a is not None for a in adapters):
+            loras = [None if a is None else self._lora_requests[a] for a in adapters]
         try:
             outputs = self.llm.generate(
                 [self._TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                use_tqdm=False)
+                use_tqdm=False, lora_request=loras)
         except Exception as exc:
             raise RuntimeError(
                 f"the vLLM engine failed on a batch of {len(prompts)} requests: "
@@ -261,7 +297,8 @@ class AsyncVirtualLM(AsyncLM):
                 params.append(self._SamplingParams(max_tokens=1, temperature=0.0,
                                                    prompt_logprobs=0, flat_logprobs=True,
                                                    detokenize=False))
-        outputs = self._generate(prompts, params)
+        adapters = [q.adapter for q in queries]
+        outputs = self._generate(prompts, params, adapters)
         tapped = {i: tap.rows[slot].clone() for i, slot in slots.items()}
         missing = [i for i, row in tapped.items() if bool(row.isnan().any())]
         if missing:  # no worker could write them (e.g. on another machine): ask vLLM for lists
@@ -271,7 +308,8 @@ class AsyncVirtualLM(AsyncLM):
                 RuntimeWarning, stacklevel=2)
             self._use_tap = False
             self.tap_fallbacks += len(missing)
-            again = self._generate([prompts[i] for i in missing], [self._row_params] * len(missing))
+            again = self._generate([prompts[i] for i in missing], [self._row_params] * len(missing),
+                                   [adapters[i] for i in missing])
             for i, out in zip(missing, again):
                 tapped[i] = self._row(out.outputs[0].logprobs)
         results = []
@@ -316,7 +354,7 @@ class AsyncVirtualLM(AsyncLM):
             ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids, or prompt plus
                 ``max_tokens`` longer than the engine's ``max_model_len``.
         """
-        check_lora(lora_name)
+        adapter = self._lora_key(lora_name)
         prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
                                               temperature)
         if len(prompt) + max_tokens > self.max_context_length + 1:
@@ -329,7 +367,7 @@ class AsyncVirtualLM(AsyncLM):
             return []
         self._count(len(prompt))
         request = (tuple(prompt), max_tokens, tuple(sorted(eos)), float(temperature),
-                   None if seed is None else int(seed))
+                   None if seed is None else int(seed), adapter)
         return list(await self._sampler.submit(object(), request))
 
     def _sample_locked(self, requests: list[tuple]) -> list[list[int]]:
@@ -337,16 +375,19 @@ class AsyncVirtualLM(AsyncLM):
             self._SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, seed=seed,
                 stop_token_ids=list(eos), ignore_eos=True, detokenize=False)
-            for _, max_tokens, eos, temperature, seed in requests
+            for _, max_tokens, eos, temperature, seed, _ in requests
         ]
-        with self._forward_lock:
-            outputs = self._generate([r[0] for r in requests], params)
-        results = []
-        for (_, _, eos, _, _), out in zip(requests, outputs):
+        with self._forward_lock:  # a removed adapter fails only its own requests
+            results: list = [self._adapter_error(r[5]) for r in requests]
+            live = [i for i, error in enumerate(results) if error is None]
+            outputs = self._generate([requests[i][0] for i in live], [params[i] for i in live],
+                                     [requests[i][5] for i in live]) if live else []
+        for i, out in zip(live, outputs):
+            eos = requests[i][2]
             tokens = list(out.outputs[0].token_ids)
             if tokens and tokens[-1] in eos:
                 tokens.pop()
-            results.append(tokens)
+            results[i] = tokens
         return results
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -392,8 +433,9 @@ class _VLLMRunner:
         if self.lm.llm is not None:
             self.lm.llm.reset_prefix_cache()
 
-    def pin(self, tokens) -> None:
-        self.lm._compute_locked([Query(tokens)])  # a cached row means its blocks were computed
+    def pin(self, tokens, adapter=None) -> None:
+        # a cached row means its blocks were computed
+        self.lm._compute_locked([Query(tokens, None, adapter)])
 
     def close(self) -> None:
         self.lm._close_backend()
