@@ -213,7 +213,7 @@ def test_replace_and_remove(adapters, merged, smol_hf, ids):
             assert isinstance(r, ValueError) and "'x' was removed" in str(r)
         assert (base - lm.next_token_logprobs_uncached(ids[:6])).abs().max() < SELF_TOL
         assert lm.lora_names == [] and lm.cache_info()["kv_nodes"] >= 1
-        with pytest.raises(ValueError, match="'x' is not a registered adapter"):
+        with pytest.raises(ValueError, match="lora_name='x': this model has no LoRA adapters"):
             lm.next_token_logprobs_sync(ids[:4], lora_name="x")
     finally:
         lm.close()

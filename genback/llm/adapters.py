@@ -10,6 +10,8 @@ pending fail with ``ValueError`` (``AsyncLM._adapter_error``).
 
 from __future__ import annotations
 
+from .inputs import check_lora
+
 
 class AdapterNames:
     """``add_new_lora`` / ``remove_lora`` / ``lora_names`` for an ``AsyncLM`` backend."""
@@ -82,11 +84,12 @@ class AdapterNames:
     def _lora_key(self, lora_name) -> int | None:
         if lora_name is None:
             return None
+        if not self._loras:  # the message of every backend with no adapter loaded
+            check_lora(lora_name)
         key = self._loras.get(lora_name) if isinstance(lora_name, str) else None
         if key is None:
-            registered = sorted(self._loras) or "none (add one with add_new_lora)"
             raise ValueError(f"lora_name={lora_name!r} is not a registered adapter; "
-                             f"registered: {registered}")
+                             f"registered: {sorted(self._loras)}")
         return key
 
     def _adapter_error(self, adapter: int | None) -> Exception | None:
