@@ -12,7 +12,8 @@ computes, new queries keep joining the next batch (so batches grow under load in
 
 The computation runs on one worker thread, so the event loop keeps serving while the model runs.
 Queries with an identical ``key`` in one pending batch are computed once and every caller gets the
-result. A computation that raises fails exactly the callers of its batch. A caller cancelled before
+result. A computation that raises fails exactly the callers of its batch; a result that is an
+exception instance fails exactly the callers of that query. A caller cancelled before
 its batch is dispatched is dropped and not computed. Each event loop that uses the batcher gets its
 own pending batch, so one object serves ``asyncio.run`` after ``asyncio.run``.
 
@@ -31,8 +32,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
 
-class BatcherClosed(RuntimeError):
-    """Raised to callers of a batcher that was closed or reset."""
+class BatchAbandoned(RuntimeError):
+    """A pending query's batch was given up before it was computed (genlm-backend's name; catch
+    it to handle every such failure)."""
+
+
+class BatcherClosed(BatchAbandoned):
+    """Raised to callers of a batcher that was closed or reset (a :class:`BatchAbandoned`)."""
 
 
 class _Entry:
@@ -112,6 +118,11 @@ class Batcher:
             BatcherClosed: the batcher was closed, or reset while the query was pending.
             Exception: whatever ``compute`` raised for this query's batch.
         """
+        return await self.enqueue(key, query)
+
+    def enqueue(self, key: Hashable, query: Any) -> asyncio.Future:
+        """Queue ``query`` now (call it on a running event loop's thread); return the future of
+        its result, which fails as :meth:`submit` raises."""
         if self._closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         loop = asyncio.get_running_loop()
@@ -129,7 +140,7 @@ class Batcher:
                 # a replaced entry had only cancelled callers
                 state.pending[key] = _Entry(key, query, future)
         self._maybe_dispatch(state)
-        return await future
+        return future
 
     def reset(self, exc: BaseException | None = None) -> int:
         """Fail every pending (not yet dispatched) query with ``exc``; return how many callers.
@@ -150,6 +161,22 @@ class Batcher:
             failed += sum(not f.done() for f in futures)
             _fail_threadsafe(state.loop, futures, exc)
         return failed
+
+    def pending(self, loop: asyncio.AbstractEventLoop) -> list:
+        """The queries waiting in ``loop``'s pending batch (not yet dispatched), oldest first."""
+        with self._lock:
+            state = self._states.get(loop)
+            return [] if state is None else [e.query for e in state.pending.values() if e.live()]
+
+    def flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Dispatch ``loop``'s pending batch now instead of at the end of its window (it still
+        waits for that loop's running batch, if any). Call it on ``loop``'s thread."""
+        with self._lock:
+            state = self._states.get(loop)
+            if state is None:
+                return
+            state.window_expired = True
+        self._maybe_dispatch(state)
 
     def close(self) -> None:
         """Fail pending queries and stop the worker (waits for the running batch). Idempotent."""
@@ -230,9 +257,10 @@ class Batcher:
                 ))
             else:
                 for entry, result in zip(batch, results):
+                    failed = isinstance(result, BaseException)  # fails this query only
                     for f in entry.futures:
                         if not f.done():
-                            f.set_result(result)
+                            f.set_exception(result) if failed else f.set_result(result)
         # the batch stays "busy" until the callers just answered have run (their wake-ups were
         # queued first): their next queries join what is pending, so callers that step in
         # lockstep (decoding requests, particles) stay in one batch instead of two cohorts

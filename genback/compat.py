@@ -13,14 +13,17 @@ objects instead:
 * ``genlm.backend.llm`` and its ``.base``, ``.hf``, ``.vllm``, ``.mlx``: ``genback.llm`` and the
   submodules of the same names;
 * ``genlm.backend.tokenization`` (``.token``, ``.vocab``): ``genback.tokenization`` (same);
+  ``.bytes`` (``get_byte_vocab``, ``ByteVocabError``, ``ByteDecoderError``):
+  ``genback.tokenization.vocab``;
+* ``genlm.backend.cache`` (``OutputCache``): ``genback.output_cache``;
 * ``genlm.backend.trie`` (``.base``, ``.parallel``, ``.async_impl``): ``genback.trie`` (same).
 
 The facade ``genlm.backend`` has genlm-backend 0.3.1's top-level names (``load_model_by_name``,
 ``decode_vocab``, ``Token``, ``AsyncTransformer``, ``AsyncVirtualLM``, ``TokenCharacterTrie``,
 ``ParallelTokenCharacterTrie``, ``AsyncTokenCharacterTrie``; also ``AsyncLM``, ``MockAsyncLM``,
-``AsyncMlxLM``) plus the submodules, each the genback object. genlm-backend modules that genback has no counterpart for (``genlm.backend.cache``,
-``genlm.backend.tokenization.bytes``, ``genlm.backend.llm.sgl``) raise ``ImportError``, as does
-any other unknown ``genlm.backend.*`` name.
+``AsyncMlxLM``) plus the submodules, each the genback object. ``genlm.backend.llm.sgl`` (SGLang),
+which genback has no counterpart for, raises ``ImportError``, as does any other unknown
+``genlm.backend.*`` name.
 
 Only ``genlm.backend`` is aliased: ``genlm`` stays the namespace package that genlm-control,
 genlm-bytes and genlm-grammar share (it is created as an empty namespace module only when no
@@ -47,6 +50,8 @@ ALIASED_MODULES: dict[str, str] = {
     "genlm.backend.tokenization": "genback.tokenization",
     "genlm.backend.tokenization.token": "genback.tokenization.token",
     "genlm.backend.tokenization.vocab": "genback.tokenization.vocab",
+    "genlm.backend.tokenization.bytes": "genback.tokenization.vocab",
+    "genlm.backend.cache": "genback.output_cache",
     "genlm.backend.trie": "genback.trie",
     "genlm.backend.trie.base": "genback.trie.base",
     "genlm.backend.trie.parallel": "genback.trie.parallel",

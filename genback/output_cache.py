@@ -3,6 +3,10 @@
 Shared by every backend: a query whose context was already answered is served from here without
 joining a batch. Keys are whole contexts, never suffixes, so two different contexts never share a
 row. Thread-safe.
+
+It also has genlm-backend's ``genlm.backend.cache.OutputCache`` API (``OutputCache(maxsize,
+move_to_cpu=False)``, ``cache[key]`` / ``cache[key] = row`` / ``key in cache`` / ``len`` /
+``clear``), so ``genback.compat`` can serve that module.
 """
 
 from __future__ import annotations
@@ -15,14 +19,21 @@ from typing import Hashable
 class OutputCache:
     """LRU map ``context -> row`` holding at most ``max_entries`` rows (0 disables caching).
 
+    Args:
+        maxsize: most rows kept (also the attribute ``max_entries``).
+        move_to_cpu: keep tensors on the CPU and hand them back on the device they were
+            stored from (``cache[key]``; ``get`` returns the stored CPU tensor).
+
     Raises:
         ValueError: ``max_entries`` is negative or not an int.
     """
 
-    def __init__(self, max_entries: int):
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 0:
-            raise ValueError(f"row_cache_size must be an int >= 0, got {max_entries!r}")
-        self.max_entries = max_entries
+    def __init__(self, maxsize: int, move_to_cpu: bool = False):
+        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"row_cache_size must be an int >= 0, got {maxsize!r}")
+        self.max_entries = maxsize
+        self.move_to_cpu = bool(move_to_cpu)
+        self._devices: dict = {}  # key -> the device a tensor came from (move_to_cpu only)
         self._rows: OrderedDict[Hashable, object] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -41,19 +52,54 @@ class OutputCache:
         if self.max_entries == 0:
             return
         with self._lock:
+            if self.move_to_cpu and hasattr(row, "device"):
+                self._devices[key] = row.device
+                row = row.cpu()
             old = self._rows.pop(key, None)
             self.bytes_held += _nbytes(row) - _nbytes(old)
             self._rows[key] = row
             while len(self._rows) > self.max_entries:
-                self.bytes_held -= _nbytes(self._rows.popitem(last=False)[1])
+                gone, dropped = self._rows.popitem(last=False)
+                self._devices.pop(gone, None)
+                self.bytes_held -= _nbytes(dropped)
+
+    def drop(self, predicate) -> int:
+        """Remove every row whose key satisfies ``predicate(key)``; return how many."""
+        with self._lock:
+            keys = [k for k in self._rows if predicate(k)]
+            for k in keys:
+                self._devices.pop(k, None)
+                self.bytes_held -= _nbytes(self._rows.pop(k))
+            return len(keys)
 
     def clear(self) -> None:
         with self._lock:
             self._rows.clear()
+            self._devices.clear()
             self.bytes_held = 0
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    # -- genlm-backend's OutputCache API ------------------------------------------------------------
+
+    @property
+    def maxsize(self) -> int:
+        return self.max_entries
+
+    def __getitem__(self, key: Hashable):
+        """The row for ``key`` (on the device it was stored from); ``KeyError`` if absent."""
+        row = self.get(key)
+        if row is None:
+            raise KeyError(key)
+        device = self._devices.get(key)
+        return row if device is None else row.to(device)
+
+    def __setitem__(self, key: Hashable, row) -> None:
+        self.put(key, row)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._rows
 
 
 def _nbytes(row) -> int:

@@ -27,13 +27,23 @@ class Query:
     :class:`~genback.sampling.Choice` that :func:`genback.sampling.choose` makes from the logits
     after ``tokens``, on the model's device (only the token and the asked-for log-probs leave
     it). Runners that answer such queries have ``picks = True``.
+
+    ``adapter``: None for the base model, else the runner's key of a LoRA adapter (the same
+    tokens under two adapters are two different queries).
     """
 
     tokens: tuple[int, ...]
     targets: tuple[int, ...] | None = None
+    adapter: int | None = None
     greedy: bool = False
     pick: "Pick | None" = None
 
     @property
     def n_outputs(self) -> int:
         return 1 if self.targets is None else len(self.targets)
+
+
+def row_key(query: Query):
+    """Output-cache and batch key of a next-token query: its tokens (base model), or
+    ``(adapter, tokens)`` (the same tokens under another adapter are another context)."""
+    return query.tokens if query.adapter is None else (query.adapter, query.tokens)

@@ -19,6 +19,10 @@ CASES = [
      'pip install "genback[eval]"'),
     ("vllm", "from genback.llm import AsyncVirtualLM; AsyncVirtualLM.from_name('smollm2-135m')",
      "AsyncVirtualLM", "genback[vllm]"),
+    ("mlx_lm", "from genback.llm import AsyncMlxLM; AsyncMlxLM.from_name('smollm2-135m')",
+     "AsyncMlxLM", "genback[mlx]"),
+    ("peft", "from genback.llm import AsyncTransformer; from genback.runners.hf.lora import "
+     "LoraAdapters; LoraAdapters(None).add('x')", "LoRA", "genback[lora]"),
 ]
 
 

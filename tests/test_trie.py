@@ -261,3 +261,15 @@ def test_random_small_vocab_brute_force(seed):
                 sel = [i for i, w in enumerate(words) if w.startswith(p)]
             np.testing.assert_allclose(S[:, n], np.exp(W[:, sel]).sum(axis=1), rtol=1e-13, atol=0)
             np.testing.assert_array_equal(M[:, n], W[:, sel].max(axis=1))
+
+
+def test_plain_bytes_are_deprecated_and_duplicates_named_as_genlm_does():
+    import warnings
+
+    with pytest.warns(DeprecationWarning, match="plain bytes"):
+        TokenCharacterTrie([b"a", b"ab"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Token objects: no warning
+        TokenCharacterTrie([Token(0, b"a"), Token(1, b"a")])
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="Duplicate word in vocabulary"):
+        TokenCharacterTrie([b"x", b"y", b"x"])

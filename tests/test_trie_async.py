@@ -83,3 +83,41 @@ def test_bad_construction():
     with pytest.raises(TypeError, match="TokenCharacterTrie"):
         AsyncTokenCharacterTrie(object())
     assert isinstance(AsyncTokenCharacterTrie.from_vocab(TOY, device="cpu").trie, ParallelTokenCharacterTrie)
+
+
+async def test_failed_single_request_batch_never_hangs():
+    """A one-request batch whose first computation fails and whose recomputation succeeds
+    resolves its caller (it used to be left pending forever)."""
+    trie = TokenCharacterTrie(TOY)
+    orig, calls = trie.batch_weight_sum, []
+
+    def flaky(X):
+        calls.append(len(X))
+        if len(calls) == 1:
+            raise RuntimeError("transient failure")
+        return orig(X)
+
+    trie.batch_weight_sum = flaky
+    a = AsyncTokenCharacterTrie(trie)
+    out = await asyncio.wait_for(a.weight_sum(W), 60)  # a guard against a hang, not a timing
+    assert out[0] == 31.0 and calls == [1, 1]
+    # a request that keeps failing gets the error; one in the same batch that works is served
+    trie.batch_weight_sum = lambda X: (_ for _ in ()).throw(RuntimeError("down")) if X[0, 0] < 0 \
+        else orig(X)
+    res = await asyncio.wait_for(asyncio.gather(a.weight_sum(-W), a.weight_sum(W),
+                                                return_exceptions=True), 60)
+    assert isinstance(res[0], RuntimeError) and res[1][0] == 31.0
+    await a.cleanup()
+
+
+async def test_start_is_idempotent_and_shared_batcher_is_used():
+    from genback.batcher import Batcher
+
+    a = AsyncTokenCharacterTrie(TokenCharacterTrie(TOY), max_batch=3)
+    b = a.start()
+    assert isinstance(b, Batcher) and a.start() is b and b.max_batch_size == 3
+    await asyncio.gather(*(a.weight_sum(W) for _ in range(5)))
+    assert b.batches == 2 and a.batches_run == 2  # 3 + 2 requests
+    await a.cleanup()
+    assert a.start() is not b  # a fresh worker after cleanup
+    a.shutdown()

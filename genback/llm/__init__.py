@@ -20,7 +20,7 @@ __all__ = [
     "load_model_by_name",
 ]
 
-_BACKENDS = ("hf", "mock", "vllm")
+_BACKENDS = ("hf", "mlx", "mock", "vllm")
 
 
 def _default_backend() -> str:
@@ -40,19 +40,20 @@ def load_model_by_name(name: str = "smollm2-135m", backend: str | None = None,
 
     Args:
         name: ``"smollm2-135m"`` (default), a local Hugging Face folder, or a Hub id.
-        backend: ``"vllm"`` (AsyncVirtualLM), ``"hf"`` (AsyncTransformer) or ``"mock"``
-            (MockAsyncLM); None picks ``"vllm"`` when CUDA and vLLM are available, else ``"hf"``.
+        backend: ``"vllm"`` (AsyncVirtualLM), ``"hf"`` (AsyncTransformer), ``"mlx"``
+            (AsyncMlxLM, needs ``genback[mlx]``) or ``"mock"`` (MockAsyncLM); None picks ``"vllm"`` when CUDA and vLLM are available, else ``"hf"``.
         llm_opts: keyword options for the backend's ``from_name`` (for ``"vllm"``, e.g.
             ``{"engine_opts": {"tensor_parallel_size": 2}}``).
 
     Raises:
         ValueError: unknown backend or model.
-        ImportError: ``backend="vllm"`` without vLLM installed.
+        ImportError: ``backend="vllm"`` without vLLM, or ``"mlx"`` without mlx / mlx-lm.
     """
     if backend is None:
         backend = _default_backend()
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
     opts = dict(llm_opts or {})
-    cls = {"hf": AsyncTransformer, "mock": MockAsyncLM, "vllm": AsyncVirtualLM}[backend]
+    cls = {"hf": AsyncTransformer, "mlx": AsyncMlxLM, "mock": MockAsyncLM,
+           "vllm": AsyncVirtualLM}[backend]
     return cls.from_name(name, **opts)

@@ -15,15 +15,17 @@ from typing import Sequence
 
 import torch
 
-from ..batcher import Batcher, BatcherClosed
+from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
 from ..output_cache import OutputCache
 from ..query import Query
+from ..query import row_key as _row_key
 from ..runner import Runner
 from .decoding import Decoding
 from .inputs import check_lora, check_positive_int, check_token_ids
+from .queue_api import QueueHooks
 
 
-class AsyncLM(Decoding):
+class AsyncLM(QueueHooks, Decoding):
     """Base class: auto-batched, cached next-token log-probs over a fixed vocabulary.
 
     Args:
@@ -138,11 +140,13 @@ class AsyncLM(Decoding):
 
     # -- computation (the runner's part) -----------------------------------------------------------
 
-    def _compute_locked(self, queries: list[Query]) -> list[torch.Tensor]:
+    def _compute_locked(self, queries: list[Query]) -> list:
+        """One result per query: a row / value tensor, or the exception that fails only that
+        query (its adapter was removed while it waited)."""
         results: list = [None] * len(queries)
         todo = []
         for i, q in enumerate(queries):
-            row = (self._output_cache.get(q.tokens)
+            row = (self._output_cache.get(_row_key(q))
                    if q.targets is None and q.pick is None else None)
             if row is not None:  # computed by an earlier batch since this query was submitted
                 results[i] = row
@@ -151,12 +155,31 @@ class AsyncLM(Decoding):
         if todo:
             with self._forward_lock:
                 self._check_open()
-                computed = self._runner.run([queries[i] for i in todo])
+                for i in todo:
+                    results[i] = self._adapter_error(queries[i].adapter)
+                todo = [i for i in todo if results[i] is None]
+                computed = self._runner.run([queries[i] for i in todo]) if todo else []
             for i, value in zip(todo, computed):
                 results[i] = value
                 if queries[i].targets is None and queries[i].pick is None:
-                    self._output_cache.put(queries[i].tokens, value)
+                    self._output_cache.put(_row_key(queries[i]), value)
         return results
+
+    # -- adapters (backends that serve LoRA override these two) -------------------------------------
+
+    def _lora_key(self, lora_name) -> int | None:
+        """The runner's adapter key for ``lora_name`` (None: the base model).
+
+        Raises:
+            ValueError: ``lora_name`` is not None (this backend has no adapters).
+        """
+        check_lora(lora_name)
+        return None
+
+    def _adapter_error(self, adapter: int | None) -> Exception | None:
+        """None when adapter key ``adapter`` can still be computed, else the error to give its
+        callers (called with the forward lock held)."""
+        return None
 
     # -- queries ----------------------------------------------------------------------------------
 
@@ -183,22 +206,25 @@ class AsyncLM(Decoding):
 
         Args:
             token_ids: the context, a non-empty list (or 1-D int array) of ids in ``[0, V)``.
-            lora_name: must be None (no adapters).
+            lora_name: None for the base model, or the name of a LoRA adapter registered with
+                ``add_new_lora`` (backends that serve adapters).
 
         Returns:
             float32 CPU tensor ``[V]``, log-normalised (``logsumexp == 0``); the caller's own copy.
 
         Raises:
-            TypeError / ValueError: bad ``token_ids`` (only this caller fails).
+            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name`` (only this
+                caller fails); ValueError also when its adapter is removed while it waits.
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        check_lora(lora_name)
-        key = self._check_ids(token_ids)
+        adapter = self._lora_key(lora_name)
+        query = Query(self._check_ids(token_ids), None, adapter)
         self._check_open()
-        self._count(len(key))
+        self._count(len(query.tokens))
+        key = _row_key(query)
         row = self._output_cache.get(key)
         if row is None:
-            row = await self._batcher.submit(key, Query(key))
+            row = await self._batcher.submit(key, query)
         return row.clone()
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
@@ -206,35 +232,43 @@ class AsyncLM(Decoding):
 
         It computes on the calling thread (no batching) and shares the caches.
         """
-        check_lora(lora_name)
-        return self._rows_sync([self._check_ids(token_ids)])[0]
+        adapter = self._lora_key(lora_name)
+        return self._rows_sync([self._check_ids(token_ids)], adapter)[0]
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1)."""
         contexts = self._check_list(token_ids_list, "token_ids_list")
-        check_lora(lora_name)
-        rows = await asyncio.gather(*(self.next_token_logprobs(ids) for ids in contexts))
+        self._lora_key(lora_name)
+        rows = await asyncio.gather(*(self.next_token_logprobs(ids, lora_name=lora_name)
+                                      for ids in contexts))
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`batch_next_token_logprobs`: one batched computation."""
         contexts = self._check_list(token_ids_list, "token_ids_list")
-        check_lora(lora_name)
+        adapter = self._lora_key(lora_name)
         return self._rows_sync(
-            [self._check_ids(ids, f"token_ids_list[{i}]") for i, ids in enumerate(contexts)]
+            [self._check_ids(ids, f"token_ids_list[{i}]") for i, ids in enumerate(contexts)],
+            adapter,
         )
 
-    def _rows_sync(self, keys: list[tuple[int, ...]]) -> torch.Tensor:
-        """Rows for checked contexts, computed on this thread in one batch: ``[len(keys), V]``."""
+    def _rows_sync(self, contexts: list[tuple[int, ...]], adapter: int | None = None
+                   ) -> torch.Tensor:
+        """Rows for checked contexts under ``adapter``, computed on this thread in one batch:
+        ``[len(contexts), V]``."""
         self._check_open()
-        for key in keys:
-            self._count(len(key))
-        cached = {k: self._output_cache.get(k) for k in dict.fromkeys(keys)}
+        for tokens in contexts:
+            self._count(len(tokens))
+        queries = {_row_key(q): q for q in (Query(t, None, adapter) for t in contexts)}
+        cached = {k: self._output_cache.get(k) for k in queries}
         missing = [k for k, row in cached.items() if row is None]
         if missing:
-            for k, row in zip(missing, self._compute_locked([Query(k) for k in missing])):
+            for k, row in zip(missing, self._compute_locked([queries[k] for k in missing])):
+                if isinstance(row, BaseException):
+                    raise row
                 cached[k] = row
-        return torch.stack([cached[k] for k in keys])  # stack copies: callers own their rows
+        # stack copies: callers own their rows
+        return torch.stack([cached[_row_key(Query(t, None, adapter))] for t in contexts])
 
     @staticmethod
     def _check_list(token_ids_list, name: str) -> list:
@@ -246,7 +280,8 @@ class AsyncLM(Decoding):
             raise ValueError(f"{name} must hold at least one context, got an empty list")
         return list(token_ids_list)
 
-    def _pair_query(self, context_ids, continuation_ids, greedy: bool) -> Query:
+    def _pair_query(self, context_ids, continuation_ids, greedy: bool,
+                    adapter: int | None = None) -> Query:
         context = self._check_ids(context_ids, "context_ids")
         continuation = self._check_ids(continuation_ids, "continuation_ids")
         total = len(context) + len(continuation)
@@ -256,7 +291,7 @@ class AsyncLM(Decoding):
                 f"{len(continuation)}), more than the model's context of {self.max_context_length}"
             )
         self._check_open()
-        query = Query(context + continuation[:-1], continuation, greedy)
+        query = Query(context + continuation[:-1], continuation, adapter, greedy=greedy)
         self._count(len(query.tokens))
         return query
 
@@ -271,8 +306,8 @@ class AsyncLM(Decoding):
             TypeError / ValueError: bad or empty ``context_ids`` / ``continuation_ids``, or the
                 two together longer than the model's context.
         """
-        check_lora(lora_name)
-        query = self._pair_query(context_ids, continuation_ids, greedy=False)
+        query = self._pair_query(context_ids, continuation_ids, greedy=False,
+                                 adapter=self._lora_key(lora_name))
         result = await self._batcher.submit(query, query)
         return result.clone()
 
@@ -300,8 +335,8 @@ class AsyncLM(Decoding):
                 model's context (only this caller fails).
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        check_lora(lora_name)
-        query = self._pair_query(context_ids, continuation_ids, greedy=True)
+        query = self._pair_query(context_ids, continuation_ids, greedy=True,
+                                 adapter=self._lora_key(lora_name))
         logprobs, greedy = await self._batcher.submit(query, query)
         return logprobs.clone(), greedy.clone()
 
@@ -343,14 +378,20 @@ class AsyncLM(Decoding):
         new tokens).
 
         Raises:
-            TypeError / ValueError: bad ``prompt_tokens``, or (AsyncTransformer) a prompt whose
-                KV alone exceeds the KV budget.
+            TypeError / ValueError: bad ``prompt_tokens``, an unknown ``lora_name``, or
+                (AsyncTransformer) a prompt whose KV alone exceeds the KV budget.
         """
-        check_lora(lora_name)
+        adapter = self._lora_key(lora_name)
         tokens = self._check_ids(prompt_tokens, "prompt_tokens")
         self._check_open()
         with self._forward_lock:
-            self._runner.pin(tokens)
+            error = self._adapter_error(adapter)
+            if error is not None:
+                raise error
+            if adapter is None:
+                self._runner.pin(tokens)
+            else:
+                self._runner.pin(tokens, adapter=adapter)
 
     def reset_async_queries(self) -> int:
         """Fail every pending query with ``BatcherClosed``; return how many callers were failed.
@@ -377,4 +418,3 @@ class AsyncLM(Decoding):
         with self._forward_lock:
             self._runner.close()
         self._output_cache.clear()
-

@@ -12,8 +12,9 @@ import math
 import numbers
 
 from ..query import Query
+from ..query import row_key as _row_key
 from ..sampling import Choice, Pick, SamplingParams, choose
-from .inputs import check_lora, check_token_ids
+from .inputs import check_token_ids
 
 
 class Decoding:
@@ -38,18 +39,19 @@ class Decoding:
         Raises:
             TypeError / ValueError: bad ``token_ids`` or ``pick``, or every token banned.
         """
-        check_lora(lora_name)
+        adapter = self._lora_key(lora_name)
         if not isinstance(pick, Pick):
             raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
         key = self._check_ids(token_ids)
         self._check_open()
         self._count(len(key))
-        row = self._output_cache.get(key)
+        row_query = Query(key, adapter=adapter)
+        row = self._output_cache.get(_row_key(row_query))
         if row is None and getattr(self._runner, "picks", False):
-            query = Query(key, pick=pick)
+            query = Query(key, adapter=adapter, pick=pick)
             return await self._batcher.submit(query, query)
         if row is None:
-            row = await self._batcher.submit(key, Query(key))
+            row = await self._batcher.submit(_row_key(row_query), row_query)
         return choose(row, key, pick)
 
     async def sample(

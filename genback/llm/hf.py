@@ -4,6 +4,9 @@ The computation is :class:`genback.runners.hf.HFRunner`'s: each batch is planned
 prefix tree, every query forwards only the tokens after its longest cached prefix, and attention
 reads each shared tree segment once for all the rows below it (tree attention), so a step of
 hundreds of particles over one long prompt costs little more than over a short one.
+
+LoRA adapters (peft) are registered by name (``add_new_lora``) and chosen per query
+(``lora_name=``); the KV tree and the row cache are keyed by adapter.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from ..runners.hf import HFRunner
+from .adapters import AdapterNames
 from .base import AsyncLM
 
 
-class AsyncTransformer(AsyncLM):
+class AsyncTransformer(AdapterNames, AsyncLM):
     """Async, auto-batched next-token log-probs from a Hugging Face causal LM, with KV reuse.
 
     Args:
@@ -70,6 +74,7 @@ class AsyncTransformer(AsyncLM):
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
                           attention=attention, min_shared_tokens=min_shared_tokens)
+        self._init_adapters()
         super().__init__(
             hf_tokenizer,
             runner,
@@ -120,6 +125,36 @@ class AsyncTransformer(AsyncLM):
             ) from exc
         return cls(model, tokenizer, **kwargs)
 
+    # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
+
+    def _load_adapter(self, path: str) -> int:
+        return self._runner.add_adapter(path)
+
+    def _unload_adapter(self, key: int) -> None:
+        self._runner.remove_adapter(key)
+
+    def walk_cache(self, token_ids, lora_name=None):
+        """genlm-backend's view of the KV cache: how much of ``token_ids`` has cached KV.
+
+        Returns:
+            ``(node, next_token_index, past, base)``: ``node`` is the deepest KV-tree node on
+            the cached path (``node.kv`` / ``node.past_key_values``: its edge's KV; a root when
+            nothing is cached), ``next_token_index`` the number of leading tokens whose KV is
+            cached, ``past`` their KV as one new tensor ``[layers, 2, kv_heads,
+            next_token_index, head_dim]`` on the model's device (None when nothing is cached),
+            and ``base`` equal to ``next_token_index`` (genback keeps the KV of every evaluated
+            context, not only of ``cache_kv`` prompts). Reads without reordering the LRU.
+
+        Raises:
+            TypeError / ValueError: bad ``token_ids`` or unknown ``lora_name``.
+        """
+        adapter = self._lora_key(lora_name)
+        ids = self._check_ids(token_ids)
+        with self._forward_lock:
+            segments, n, node = self._runner.tree.match(ids, touch=False, adapter=adapter)
+            past = torch.cat([kv for _, _, kv in segments], dim=3) if segments else None
+        return node, n, past, n
+
     # -- statistics and reference --------------------------------------------------------------------
 
     @property
@@ -139,13 +174,12 @@ class AsyncTransformer(AsyncLM):
         Returns float32 CPU ``[V]``.
 
         Raises:
-            TypeError / ValueError: bad ``token_ids`` or a ``lora_name`` (no adapters).
+            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name``.
         """
-        from .inputs import check_lora
-
-        check_lora(lora_name)
+        adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
         with self._forward_lock:
+            self._runner.lora.activate(adapter)
             out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
 

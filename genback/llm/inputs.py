@@ -67,10 +67,11 @@ def check_positive_int(value, name: str) -> int:
 
 
 def check_lora(lora_name) -> None:
-    """genback serves base models only: any adapter name is an error."""
+    """The check of a model with no LoRA adapter loaded: any adapter name is an error."""
     if lora_name is not None:
         raise ValueError(
-            f"lora_name={lora_name!r}: this model has no LoRA adapters loaded; pass lora_name=None"
+            f"lora_name={lora_name!r}: this model has no LoRA adapters loaded; pass "
+            "lora_name=None (AsyncTransformer / AsyncVirtualLM: register one with add_new_lora)"
         )
 
 

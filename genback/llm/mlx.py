@@ -1,22 +1,177 @@
-"""``AsyncMlxLM``: the ``AsyncLM`` API over MLX (Apple silicon); absent on other machines."""
+"""``AsyncMlxLM``: the ``AsyncLM`` API over an mlx-lm model (Apple silicon; MLX's CPU on Linux).
+
+The computation is :class:`genback.runners.mlx.MlxRunner`'s: a prefix KV store reused across
+queries that share a prefix, and one forward per group of queries with equal cached and total
+lengths. Batching, the output cache, sync forms and sampling are ``AsyncLM``'s, shared with
+every backend. Install with ``pip install "genback[mlx]"`` (``mlx[cpu]`` on Linux).
+"""
 
 from __future__ import annotations
 
+import os
+
 from .base import AsyncLM
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _require_mlx():
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            'AsyncMlxLM needs mlx and mlx-lm: pip install "genback[mlx]" (on Linux: '
+            'pip install "mlx[cpu]==0.32.4" mlx-lm==0.32.2)') from exc
+
+
+def _config_overrides(config: dict) -> dict:
+    """mlx-lm settings for a transformers >= 5 config: its ``rope_parameters`` hold the RoPE base
+    (``rope_theta``) that mlx-lm's Llama-family models read only from the top level (without this
+    they silently use 10,000: SmolLM2's rows would be off by ~0.03)."""
+    rope = config.get("rope_parameters")
+    if "rope_theta" in config or not isinstance(rope, dict) or "rope_theta" not in rope:
+        return {}
+    out = {"rope_theta": rope["rope_theta"]}
+    if rope.get("rope_type", "default") != "default":
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
 
 
 class AsyncMlxLM(AsyncLM):
-    """Placeholder type for MLX models: genback does not ship an MLX backend.
+    """Async, auto-batched next-token log-probs from an mlx-lm model, with prefix KV reuse.
 
-    It exists as its own class because clients branch on the model type; constructing it raises
-    ``NotImplementedError``.
+    Args:
+        mlx_lm_model: an mlx-lm model (``mlx_lm.load(path)[0]``).
+        tokenizer: its tokenizer: a Hugging Face tokenizer or mlx-lm's ``TokenizerWrapper``.
+        timeout: genlm-backend's name of ``batch_window`` (seconds).
+        prefill_step_size: tokens per chunk of a long prefill (>= 1).
+        cache_size: genlm-backend's name of ``row_cache_size``.
+        cache_opts: genlm-backend's output-cache options; only None or ``{}`` (genback's row
+            cache has no options).
+        batch_size: most distinct queries per batch (>= 1); settable later.
+        batch_window: seconds a batch waits for more queries, from its first query.
+        row_cache_size: most next-token rows kept (float32 ``[V]`` each).
+        kv_budget_bytes: most bytes of KV kept for reuse (default 1 GiB); LRU beyond it.
+        max_batch_tokens: most new tokens (rows x tokens) one forward computes.
+
+    Rows are float32 CPU torch tensors ``[V]`` (``V`` = the model's logit width, the length of
+    ``byte_vocab``), whatever the model's dtype.
+
+    Raises:
+        ValueError: an option out of range. ImportError: mlx / mlx-lm are not installed.
     """
 
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            "AsyncMlxLM is not available: genback has no MLX backend; use AsyncTransformer"
-        )
+    def __init__(
+        self,
+        mlx_lm_model,
+        tokenizer,
+        timeout: float | None = None,
+        prefill_step_size: int = 512,
+        cache_size: int | None = None,
+        cache_opts: dict | None = None,
+        *,
+        batch_size: int = 512,
+        batch_window: float = 0.002,
+        row_cache_size: int = 1024,
+        kv_budget_bytes: int = 1 << 30,
+        max_batch_tokens: int = 2048,
+    ):
+        _require_mlx()
+        from ..runners.mlx import MlxRunner
+
+        if cache_opts:
+            raise ValueError(f"cache_opts must be None or empty for genback's row cache, got "
+                             f"{cache_opts!r}")
+        self.mlx_lm_model = mlx_lm_model
+        self.prefill_step_size = prefill_step_size
+        runner = MlxRunner(mlx_lm_model, kv_budget_bytes=kv_budget_bytes,
+                           max_batch_tokens=max_batch_tokens, prefill_step_size=prefill_step_size)
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+        # mlx_lm.load gives a TokenizerWrapper; AsyncLM needs the Hugging Face tokenizer inside
+        hf_tokenizer = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+        args = getattr(mlx_lm_model, "args", None)
+        try:
+            super().__init__(
+                hf_tokenizer,
+                runner,
+                vocab_size=runner.vocab_size,
+                batch_size=batch_size,
+                batch_window=batch_window if timeout is None else timeout,
+                row_cache_size=row_cache_size if cache_size is None else cache_size,
+                max_context_length=getattr(args, "max_position_embeddings", None),
+            )
+        except BaseException:
+            runner.close()
+            raise
 
     @classmethod
-    def from_name(cls, model_name, **kwargs):
-        return cls(model_name, **kwargs)
+    def from_name(cls, model_name: str = "smollm2-135m", dtype: str | None = "float32",
+                  adapter_path: str | None = None, **kwargs) -> "AsyncMlxLM":
+        """Load a model by embedded alias, local Hugging Face / MLX folder or Hub id.
+
+        Args:
+            model_name: ``"smollm2-135m"`` (default), a local folder of safetensors weights, or
+                a Hub id (read from the local Hugging Face cache when ``HF_HUB_OFFLINE=1``).
+            dtype: ``"float32"`` (default: the rows then match AsyncTransformer's fp32 rows within
+                1e-4), ``"bfloat16"``, ``"float16"``, or None for the checkpoint's own dtype.
+            adapter_path: a folder of mlx-lm LoRA adapters applied to the model.
+            **kwargs: passed to the constructor (``batch_size``, ``timeout``, ``cache_size``, ...).
+
+        Raises:
+            ValueError: unknown alias / missing folder / Hub id not available, or a bad ``dtype``.
+            ImportError: mlx / mlx-lm are not installed.
+        """
+        _require_mlx()
+        import mlx.core as mx
+        from mlx_lm.utils import load_adapters, load_config, load_model
+        from pathlib import Path
+        from transformers import AutoTokenizer
+
+        from ..registry import resolve
+
+        if dtype is not None and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES} or None, got {dtype!r}")
+        path = resolve(model_name)
+        if not os.path.isdir(path):  # a Hub id: its snapshot folder (offline: the local cache)
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path)
+        folder = Path(path)
+        try:
+            model, _ = load_model(folder, model_config=_config_overrides(load_config(folder)))
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValueError(f"model {model_name!r} could not be loaded by mlx-lm from {path}: "
+                             f"{exc}") from exc
+        if dtype is not None:
+            model.set_dtype(getattr(mx, dtype))
+        if adapter_path is not None:
+            if not os.path.isdir(adapter_path):
+                raise ValueError(f"adapter_path must be an existing folder, got {adapter_path!r}")
+            model = load_adapters(model, adapter_path)
+        model.eval()
+        return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
+
+    @property
+    def forwards(self) -> int:
+        """Model forwards run (one per prefill chunk and group of queries)."""
+        return self._runner.forwards
+
+    @property
+    def tokens_forwarded(self) -> int:
+        return self._runner.tokens_forwarded
+
+    def next_token_logprobs_uncached(self, token_ids, lora_name=None):
+        """Reference: one forward of ``token_ids`` alone, no cache, no batching.
+
+        Returns float32 CPU ``[V]``.
+
+        Raises:
+            TypeError / ValueError: bad ``token_ids`` or a ``lora_name`` (no adapters).
+        """
+        self._lora_key(lora_name)
+        ids = self._check_ids(token_ids)
+        self._check_open()
+        with self._forward_lock:
+            return self._runner.uncached_row(ids)

@@ -34,7 +34,8 @@ from functools import lru_cache
 
 from .token import Token
 
-__all__ = ["decode_vocab", "get_byte_vocab", "bytes_to_unicode", "PAD_TEMPLATE", "ByteVocabError"]
+__all__ = ["decode_vocab", "get_byte_vocab", "bytes_to_unicode", "PAD_TEMPLATE", "ByteVocabError",
+           "ByteDecoderError"]
 
 #: Placeholder bytes for ids the tokenizer does not define (``PAD_TEMPLATE % token_id``).
 PAD_TEMPLATE = b"<|genback_pad_%d|>"
@@ -46,6 +47,11 @@ _FALLBACKS = ("tokenizer", "latin1", "replace")
 
 class ByteVocabError(ValueError):
     """The tokenizer's token bytes cannot be recovered exactly (a ``ValueError``)."""
+
+
+#: genlm-backend's name (``genlm.backend.tokenization.bytes``) for the failure genback reports as
+#: :class:`ByteVocabError`: the tokenizer's byte decoder cannot map its tokens back to bytes.
+ByteDecoderError = ByteVocabError
 
 
 @lru_cache(maxsize=1)

@@ -1,22 +1,24 @@
 """``AsyncTokenCharacterTrie``: concurrent ``await weight_sum(ws)`` calls batched on a worker thread.
 
-Requests made in the same event-loop iteration are collected (up to ``max_batch`` per batch and
-operation) and computed with one ``batch_weight_*`` call on a single worker thread, so the event
-loop keeps running while the trie reduces. Each request's weights are validated (type, dtype,
-shape) when it is submitted: a bad request raises at once in its caller and never joins a batch.
-If a batch still fails (e.g. a NaN weight, detected during the reduction), its requests are
-retried one by one, so only the offending caller gets the error; the trie keeps serving.
+Requests are batched by genback's shared :class:`~genback.batcher.Batcher` (the one every
+``AsyncLM`` uses): requests made in the same event-loop iteration join one batch (up to
+``max_batch``), computed with one ``batch_weight_*`` call per operation on the batcher's worker
+thread, so the event loop keeps running while the trie reduces. Each request's weights are
+validated (type, dtype, shape) when it is submitted: a bad request raises at once in its caller
+and never joins a batch. If a batch still fails (e.g. a NaN weight, detected during the
+reduction), its requests are computed one by one and exactly the offending callers get the
+error; every caller's future is resolved (the batcher fails exactly the callers of a failed
+computation), and the trie keeps serving.
 
-One object may serve several event loops in turn (clients call ``asyncio.run`` repeatedly): the
-pending queue belongs to the loop that is running when a request arrives.
+One object may serve several event loops in turn (clients call ``asyncio.run`` repeatedly).
 """
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
+from ..batcher import Batcher
 from .base import TokenCharacterTrie
 from .parallel import ParallelTokenCharacterTrie
 from .weights import as_weight_matrix
@@ -24,6 +26,7 @@ from .weights import as_weight_matrix
 __all__ = ["AsyncTokenCharacterTrie"]
 
 _OPS = ("sum", "max", "logsumexp")
+_WINDOW = 0.001  # seconds: lets the requests of one event-loop iteration join one batch
 
 
 class AsyncTokenCharacterTrie:
@@ -31,11 +34,14 @@ class AsyncTokenCharacterTrie:
 
     Args:
         trie: the trie that computes (attribute ``.trie``).
-        max_batch: most requests per ``batch_weight_*`` call (>= 1).
+        max_batch: most requests per batch and ``batch_weight_*`` call (>= 1).
 
     ``await weight_sum(ws)`` / ``weight_max`` / ``weight_logsumexp`` take ``ws`` of shape ``(V,)``
     and return what ``trie.weight_*`` returns (a float64 numpy array for ``TokenCharacterTrie``;
     a tensor on the trie's device for ``ParallelTokenCharacterTrie``).
+
+    Raises:
+        TypeError: ``trie`` is not a trie. ValueError: ``max_batch`` is not a positive int.
     """
 
     def __init__(self, trie, max_batch: int = 64):
@@ -46,11 +52,8 @@ class AsyncTokenCharacterTrie:
         self.trie = trie
         self.max_batch = max_batch
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list = []  # (op, prepared weights, future)
-        self._flush_scheduled = False
-        self._inflight: set = set()
+        self._batcher: Batcher | None = None
+        self._ids = itertools.count()  # every request is its own batch entry (weights differ)
         self.batches_run = 0  # number of batch_weight_* calls made (for monitoring / tests)
 
     @classmethod
@@ -81,15 +84,7 @@ class AsyncTokenCharacterTrie:
 
     async def _submit(self, op: str, ws):
         prepared = self._prepare(ws)  # raises here, in the caller, for a bad request
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # a new event loop: requests of a finished loop are gone
-            self._loop, self._pending, self._flush_scheduled = loop, [], False
-        fut = loop.create_future()
-        self._pending.append((op, prepared, fut))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
-        return await fut
+        return await self.start().submit(next(self._ids), (op, prepared))
 
     async def weight_sum(self, ws):
         """Queued ``trie.weight_sum(ws)``: ``(V,)`` -> ``(num_nodes,)``. Raises as the trie does."""
@@ -104,21 +99,14 @@ class AsyncTokenCharacterTrie:
         return await self._submit("logsumexp", ws)
 
     # ----------------------------------------------------------------- batching
-    def _get_executor(self) -> ThreadPoolExecutor:
+    def start(self) -> Batcher:
+        """Start the worker (the batcher and its thread) if it is not running; return it.
+        Requests start it themselves; calling it is never required. Idempotent."""
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genback-trie")
-            return self._executor
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        pending, self._pending = [r for r in self._pending if not r[2].done()], []
-        for op in _OPS:
-            group = [r for r in pending if r[0] == op]
-            for lo in range(0, len(group), self.max_batch):
-                task = asyncio.ensure_future(self._run_batch(op, group[lo : lo + self.max_batch]))
-                self._inflight.add(task)
-                task.add_done_callback(self._inflight.discard)
+            if self._batcher is None or self._batcher.closed:
+                self._batcher = Batcher(self._compute_batch, window=_WINDOW,
+                                        max_batch_size=self.max_batch, name="genback-trie")
+            return self._batcher
 
     def _compute(self, op: str, rows: list):
         if isinstance(self.trie, ParallelTokenCharacterTrie):
@@ -132,52 +120,46 @@ class AsyncTokenCharacterTrie:
         self.batches_run += 1
         return getattr(self.trie, f"batch_weight_{op}")(W)
 
-    async def _run_batch(self, op: str, batch: list) -> None:
-        loop = asyncio.get_running_loop()
-        rows = [w for _, w, _ in batch]
-        try:
-            result = await loop.run_in_executor(self._get_executor(), self._compute, op, rows)
-        except Exception:
-            if len(batch) == 1:
-                result = None
-            else:  # isolate the failing request(s): retry one by one
-                await asyncio.gather(*(self._run_batch(op, [r]) for r in batch))
-                return
+    def _compute_batch(self, requests: list) -> list:
+        """Worker thread: one ``batch_weight_*`` call per operation; a failing call is redone
+        request by request, and a request that fails alone gets its exception as its result
+        (the batcher raises it to that caller only)."""
+        results: list = [None] * len(requests)
+        for op in _OPS:
+            idx = [i for i, (o, _) in enumerate(requests) if o == op]
+            if not idx:
+                continue
             try:
-                await loop.run_in_executor(self._get_executor(), self._compute, op, rows)
-            except Exception as e:
-                if not batch[0][2].done():
-                    batch[0][2].set_exception(e)
-            return
-        for i, (_, _, fut) in enumerate(batch):
-            if not fut.done():
-                fut.set_result(result[i])
+                out = self._compute(op, [requests[i][1] for i in idx])
+                for k, i in enumerate(idx):
+                    results[i] = out[k]
+            except Exception:
+                for i in idx:
+                    try:
+                        results[i] = self._compute(op, [requests[i][1]])[0]
+                    except Exception as exc:  # noqa: BLE001 - handed to its caller
+                        results[i] = exc
+        return results
 
     # ----------------------------------------------------------------- lifecycle
     async def cleanup(self) -> None:
-        """Finish the batches already started, then stop the worker thread. Idempotent; the
-        object stays usable (a later request starts a new worker)."""
-        if self._inflight:
-            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+        """Finish the batch already computing, then stop the worker thread (requests still
+        pending fail with ``BatcherClosed``). Idempotent; the object stays usable (a later
+        request starts a new worker)."""
+        import asyncio
+
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+            batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            await asyncio.to_thread(batcher.close)
 
     def shutdown(self) -> None:
-        """Stop the worker thread without waiting and cancel requests not yet started. Idempotent."""
-        pending, self._pending = self._pending, []
-        for _, _, fut in pending:
-            loop = fut.get_loop()
-            if not fut.done() and not loop.is_closed():
-                try:
-                    loop.call_soon_threadsafe(fut.cancel)
-                except RuntimeError:  # loop closed meanwhile
-                    pass
+        """Stop the worker: pending requests fail with ``BatcherClosed``; waits for a batch
+        already computing. Idempotent; a later request starts a new worker."""
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            batcher.close()
 
     def __del__(self):
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+import warnings
 from functools import cached_property
 
 import numpy as np
@@ -92,30 +93,40 @@ class TokenCharacterTrie:
             if len(ids) != len(set(ids)):
                 seen: set = set()
                 dup = next(i for i in ids if i in seen or seen.add(i))
-                raise ValueError(f"TokenCharacterTrie: duplicate Token id {dup} in decode")
+                raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
+                                 f"Token id {dup} in decode")
             return
         tokens = [x for x in self.decode if isinstance(x, Token)]
         ids = [x.token_id for x in tokens]
         if len(ids) != len(set(ids)):
             seen: set = set()
             dup = next(i for i in ids if i in seen or seen.add(i))
-            raise ValueError(f"TokenCharacterTrie: duplicate Token id {dup} in decode")
+            raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
+                                 f"Token id {dup} in decode")
         if len(tokens) == len(self.decode):
             return
         lay = self._layout
         plain = [Token.is_plain_bytes(x) for x in self.decode]
+        if any(plain):
+            warnings.warn(
+                "Passing plain bytes to TokenCharacterTrie is deprecated (genlm-backend's "
+                "wording): use Token objects from decode_vocab(), which keep equal byte strings "
+                "apart",
+                DeprecationWarning, stacklevel=4)
         prev = None
         for k in lay.order.tolist():  # equal byte strings are adjacent in leaf order
             if plain[k]:
                 if prev is not None and self.decode[prev] == self.decode[k]:
                     raise ValueError(
-                        f"TokenCharacterTrie: duplicate bytes {self.decode[k]!r} in decode "
-                        f"(positions {prev} and {k}); use Token objects to keep duplicates"
+                        f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate bytes "
+                        f"{self.decode[k]!r} in decode (positions {prev} and {k}); use Token "
+                        "objects to keep duplicates"
                     )
                 prev = k
         other = [x for x in self.decode if not isinstance(x, bytes)]
         if len(other) != len(set(other)):
-            raise ValueError("TokenCharacterTrie: duplicate non-bytes item in decode")
+            raise ValueError("TokenCharacterTrie: Duplicate word in vocabulary: a repeated "
+                             "non-bytes item in decode")
 
     def _word_key(self, item):
         return (bytes(item), item.token_id) if isinstance(item, Token) else item

@@ -12,6 +12,10 @@ on the model's device and dtype. The states of a context are the concatenation o
 the nodes on its path; tree attention (:mod:`.tree_attention`) reads each node's ``kv`` in place,
 once for all the rows of a batch below it.
 
+Adapters. The same tokens under two LoRA adapters have different KV: each adapter (``None``
+for the base model) has its own root, so paths of different adapters never share a node. The
+byte budget and the LRU order are shared by all of them.
+
 Invariants. Stored tensors are never written after insertion (forwards read copies). Node
 ``bytes`` sum to ``bytes_held``. The LRU order keeps every parent more recent than its
 descendants, so one scan from the oldest end meets leaves before their parents. Only leaves that
@@ -41,6 +45,11 @@ class _Node:
         self.depth = depth  # tokens from the root to the end of this node's edge
         self.bytes = 0 if kv is None else kv.numel() * kv.element_size()
 
+    @property
+    def past_key_values(self):
+        """genlm-backend's name of ``kv`` (this node's edge's KV, or None for a root)."""
+        return self.kv
+
 
 class KVTree:
     """Radix tree of cached KV states with a byte budget and LRU eviction.
@@ -57,7 +66,8 @@ class KVTree:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"kv_budget_bytes must be a positive int, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
-        self.root = _Node(None, (), None, 0)
+        self.root = _Node(None, (), None, 0)  # the base model's root (adapter None)
+        self._roots: dict = {None: self.root}
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self.bytes_held = 0
         self.evictions = 0  # nodes evicted
@@ -65,14 +75,22 @@ class KVTree:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def _root(self, adapter) -> _Node:
+        root = self._roots.get(adapter)
+        if root is None:
+            root = self._roots[adapter] = _Node(None, (), None, 0)
+        return root
+
     # -- lookup ---------------------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int], limit: int | None = None, touch: bool = True):
-        """Longest cached prefix of ``tokens``, at most ``limit`` tokens long.
+    def match(self, tokens: Sequence[int], limit: int | None = None, touch: bool = True,
+              adapter=None):
+        """Longest cached prefix of ``tokens`` (under ``adapter``), at most ``limit`` tokens long.
 
         Args:
             touch: mark the matched path as recently used (False for probes that must not
                 reorder the LRU, e.g. planning and statistics).
+            adapter: the adapter key whose tree is searched (None: the base model).
 
         Returns:
             ``(segments, length, holder)``: ``segments`` is the list of ``(node, k, kv)`` whose
@@ -82,7 +100,9 @@ class KVTree:
             (``acquire`` it to keep them from eviction while they are in use), or the root.
         """
         limit = len(tokens) if limit is None else min(limit, len(tokens))
-        node, pos, segments = self.root, 0, []
+        node, pos, segments = self._roots.get(adapter), 0, []
+        if node is None:  # nothing cached under this adapter: an empty stand-in root
+            node = _Node(None, (), None, 0)
         while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -109,8 +129,9 @@ class KVTree:
 
     # -- insertion ------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor) -> _Node:
-        """Store the KV of ``tokens[start:]`` (``kv``'s dim 3 has ``len(tokens) - start`` entries).
+    def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor, adapter=None) -> _Node:
+        """Store the KV of ``tokens[start:]`` (``kv``'s dim 3 has ``len(tokens) - start`` entries)
+        under ``adapter`` (None: the base model).
 
         ``tokens[:start]`` must be cached already (hold it with ``acquire`` between ``match`` and
         ``insert``). Parts that another insertion already stored are kept and not duplicated.
@@ -120,7 +141,7 @@ class KVTree:
             raise ValueError(
                 f"kv covers {kv.shape[3]} tokens but tokens[start:] has {len(tokens) - start}"
             )
-        node, pos = self.root, 0
+        node, pos = self._root(adapter), 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -160,9 +181,9 @@ class KVTree:
 
     # -- pinning, LRU, eviction ------------------------------------------------------------------
 
-    def pin(self, tokens: Sequence[int]) -> bool:
+    def pin(self, tokens: Sequence[int], adapter=None) -> bool:
         """Pin the node that ends exactly at ``tokens`` so it is never evicted; False if absent."""
-        node = self.find(tokens)
+        node = self.find(tokens, adapter)
         if node is None:
             return False
         node.pinned = True
@@ -173,14 +194,16 @@ class KVTree:
         seen = set()
         for node in self._lru:
             if node.pinned:
-                while node is not self.root and node not in seen:
+                while node.parent is not None and node not in seen:
                     seen.add(node)
                     node = node.parent
         return sum(node.bytes for node in seen)
 
-    def find(self, tokens: Sequence[int]) -> _Node | None:
-        """The node ending exactly at ``len(tokens)``, or None."""
-        node, pos = self.root, 0
+    def find(self, tokens: Sequence[int], adapter=None) -> _Node | None:
+        """The node ending exactly at ``len(tokens)`` under ``adapter``, or None."""
+        node, pos = self._roots.get(adapter), 0
+        if node is None:
+            return None
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None or tuple(tokens[pos:pos + len(child.edge)]) != child.edge:
@@ -189,7 +212,7 @@ class KVTree:
         return node
 
     def _touch(self, node: _Node) -> None:
-        while node is not self.root and node is not None:
+        while node is not None and node.parent is not None:  # roots are not in the LRU
             self._lru[node] = None
             self._lru.move_to_end(node)
             node = node.parent
@@ -218,19 +241,38 @@ class KVTree:
     def clear(self, keep_pinned: bool = False) -> None:
         """Drop every node (or every node not on the path of a pinned node)."""
         if not keep_pinned:
-            self.root.children.clear()
+            for root in self._roots.values():
+                root.children.clear()
+            self._roots = {None: self.root}
             self._lru.clear()
             self.bytes_held = 0
             return
         keep = set()
         for node in self._lru:
             if node.pinned:
-                while node is not self.root:
+                while node.parent is not None:
                     keep.add(node)
                     node = node.parent
         for node in list(self._lru):  # leaves first, thanks to the LRU invariant
             if node not in keep and not node.children:
                 self._remove(node)
+
+    def drop_adapter(self, adapter) -> int:
+        """Drop every node under ``adapter``'s root (pinned ones too); return bytes freed.
+        Call it only while no forward holds nodes of that adapter."""
+        root = self._roots.pop(adapter, None) if adapter is not None else None
+        if root is None:
+            return 0
+        freed, stack = 0, list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            del self._lru[node]
+            self.bytes_held -= node.bytes
+            freed += node.bytes
+            node.kv = None
+        root.children.clear()
+        return freed
 
 
 def _common(edge: tuple, tokens: Sequence[int], pos: int, n: int) -> int:

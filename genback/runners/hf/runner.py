@@ -4,6 +4,9 @@ It owns the KV prefix tree (:mod:`.kvtree`), plans each batch against it (:mod:`
 of a query is the tokens it forwards beyond its cached prefix), runs the forwards
 (:mod:`.forward`: tree attention, or the dense path for models without the attention interface)
 and commits every forwarded token's KV to the tree.
+
+LoRA adapters (:mod:`.lora`): a query's ``adapter`` selects its tree root and the adapter the
+model runs with; a batch is computed one adapter at a time (one or more forwards each).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ...query import Query
 from . import tree_attention
 from .forward import dense_forward, tree_forward
 from .kvtree import KVTree
+from .lora import LoraAdapters
 from .plan import Row, group_rows, nesting_levels, shared_prefixes
 
 
@@ -100,6 +104,7 @@ class HFRunner:
         if attention not in ("auto", "tree", "dense"):
             raise ValueError(f"attention must be 'auto', 'tree' or 'dense', got {attention!r}")
         self.tree = KVTree(kv_budget_bytes)
+        self.lora = LoraAdapters(model)
         self.pad_id = pad_id
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_bytes = max_forward_bytes
@@ -135,16 +140,29 @@ class HFRunner:
     # -- the runner protocol ----------------------------------------------------------------------
 
     def run(self, queries: Sequence[Query]) -> list:
+        by_adapter: dict = {}
+        for i, q in enumerate(queries):
+            by_adapter.setdefault(q.adapter, []).append(i)
+        results: list = [None] * len(queries)
+        for adapter, indices in by_adapter.items():  # one adapter's queries at a time
+            self.lora.activate(adapter)
+            for i, out in zip(indices, self._run_one_adapter([queries[i] for i in indices])):
+                results[i] = out
+        return results
+
+    def _run_one_adapter(self, queries: list[Query]) -> list:
+        adapter = queries[0].adapter
         # a query forwards at least its tokens from len(tokens) - n_outputs on (their logits are
         # needed), so what a prefill can save it is the part before: for a scoring query
         # (context + continuation[:-1], continuation) its context without the last token
         contexts = [q.tokens[: len(q.tokens) - q.n_outputs + 1] for q in queries]
-        shared = shared_prefixes(contexts, lambda t: self.tree.match(t, touch=False)[1])
+        shared = shared_prefixes(
+            contexts, lambda t: self.tree.match(t, touch=False, adapter=adapter)[1])
         # prefill prefixes that several queries share but nobody has cached, once each; nested
         # prefixes go in rounds, shortest first, so a longer one reuses the shorter one's KV
         for level in nesting_levels(shared):
-            self._run([Query(prefix, ()) for prefix in level])
-        return self._run(list(queries))
+            self._run([Query(prefix, (), adapter) for prefix in level])
+        return self._run(queries)
 
     def stats(self) -> dict:
         tree = self.tree
@@ -164,13 +182,13 @@ class HFRunner:
         self.tree.clear(keep_pinned=keep_pinned)
         _trim_host_memory()
 
-    def pin(self, tokens: tuple[int, ...]) -> None:
-        """Compute the KV of ``tokens`` (what is not cached) and pin it.
+    def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
+        """Compute the KV of ``tokens`` (what is not cached) under ``adapter`` and pin it.
 
         Raises:
             ValueError: the prompt's KV, with what is pinned already, exceeds the KV budget.
         """
-        node = self.tree.find(tokens)
+        node = self.tree.find(tokens, adapter)
         if node is None or not node.pinned:
             need = len(tokens) * self.kv_token_bytes
             pinned = self.tree.pinned_bytes()
@@ -180,18 +198,30 @@ class HFRunner:
                     f"{pinned:,} bytes pinned already that exceeds kv_budget_bytes="
                     f"{self.tree.budget_bytes:,}: raise the budget or pin a shorter prompt")
         try:
-            self._run([Query(tokens, ())], evict=False)
-            if self.tree.find(tokens) is None:  # cached, but ending inside a node's edge: split
+            self.lora.activate(adapter)
+            self._run([Query(tokens, (), adapter)], evict=False)
+            if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
                 n_layers, heads, dim, dtype, dev = self.layout
                 empty = torch.empty((n_layers, 2, heads, 0, dim), dtype=dtype, device=dev)
-                self.tree.insert(tokens, len(tokens), empty)
-            self.tree.pin(tokens)
+                self.tree.insert(tokens, len(tokens), empty, adapter)
+            self.tree.pin(tokens, adapter)
         finally:
             self._evict()
 
     def close(self) -> None:
         self.tree.clear()
         _trim_host_memory()
+
+    # -- adapters --------------------------------------------------------------------------------
+
+    def add_adapter(self, path: str) -> int:
+        """Load the peft adapter in folder ``path``; return its key (see :mod:`.lora`)."""
+        return self.lora.add(path)
+
+    def remove_adapter(self, key: int) -> None:
+        """Drop adapter ``key``'s KV (pinned too) and unload its weights."""
+        self.tree.drop_adapter(key)
+        self.lora.remove(key)
 
     # -- planning and forwards ----------------------------------------------------------------------
 
@@ -201,7 +231,8 @@ class HFRunner:
             for q in queries:
                 # logits are needed from position len(tokens) - n_outputs on, so at least the
                 # tokens from there are forwarded even when their KV is cached
-                segments, cached, holder = self.tree.match(q.tokens, len(q.tokens) - q.n_outputs)
+                segments, cached, holder = self.tree.match(
+                    q.tokens, len(q.tokens) - q.n_outputs, adapter=q.adapter)
                 self.tree.acquire(holder)
                 rows.append(Row(q, segments, cached, holder))
             todo = [r for r in rows if r.n_new > 0]  # a KV-only query may be cached already
@@ -209,8 +240,8 @@ class HFRunner:
                                     self._score_bytes):
                 self._forward(group)
                 for r in group:  # commit each forward's KV at once: a batch's new KV is never
-                    self.tree.insert(r.query.tokens, r.cached, r.new_kv)  # all held at one time
-                    r.new_kv = None
+                    self.tree.insert(r.query.tokens, r.cached, r.new_kv, r.query.adapter)
+                    r.new_kv = None  # all held at one time
         finally:
             for r in rows:
                 self.tree.release(r.holder)
