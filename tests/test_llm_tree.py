@@ -117,6 +117,34 @@ async def test_all_particles_of_a_step_share_one_forward(tiny_hf, gpt2_tok):
         await lm.aclose()
 
 
+async def test_decoding_steps_copy_only_new_tokens_into_the_past_pool(tiny_hf, gpt2_tok):
+    """Rows with distinct prompts (private pasts) decoding in lockstep: after the first step, a
+    step copies into the pool just the previous step's one token per row, not each row's whole
+    past; a pool that cannot fit is rebuilt; every row stays exact against an uncached forward."""
+    rng = random.Random(7)
+    rows_n = 12
+    parts = [[100 + rng.randrange(500) for _ in range(20 + 3 * i)] for i in range(rows_n)]
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    try:
+        copied = []
+        for step in range(12):
+            before = lm.cache_info()["past_pool_columns_copied"]
+            got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            copied.append(lm.cache_info()["past_pool_columns_copied"] - before)
+            assert _max_err(got, parts, lm) <= 1e-5
+            parts = [c + [100 + rng.randrange(500)] for c in parts]
+        assert copied[0] == 0  # the first step forwards whole prompts: no past yet
+        # afterwards one column per row per step, except when the pool is rebuilt (then each
+        # row's whole past once): capacity doubles, so that is rare
+        per_step = [c for c in copied[2:] if c == rows_n]
+        assert len(per_step) >= len(copied[2:]) - 2, copied
+        assert lm.cache_info()["past_pool_bytes"] > 0
+        lm.clear_kv_cache()
+        assert lm.cache_info()["past_pool_bytes"] == 0
+    finally:
+        await lm.aclose()
+
+
 def test_smollm2_random_trees_match_uncached(module_smol_lm):
     """The real model: SMC-shaped trees over a 60-token prompt, resampling, a tiny minimum for
     shared segments so both attention parts are used, and eviction under a small budget."""

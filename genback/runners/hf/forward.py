@@ -4,7 +4,8 @@ Both paths feed the rows' new tokens right-padded to the longest (``[R, m]``), w
 positions, and keep logits only at the positions some row needs (``logits_to_keep``):
 
 * :func:`tree_forward`: tree attention (:mod:`.tree_attention`): shared segments are read in
-  place once for all rows below them; each row's private past is gathered layer by layer.
+  place once for all rows below them; each row's private past is laid out layer by layer from
+  the runner's :class:`~.past_pool.PastPool`.
 * :func:`dense_forward`: for models without the attention interface: each row's whole past is
   assembled (left-padded) into a ``DynamicCache``.
 
@@ -20,6 +21,7 @@ import torch
 
 from ...sampling import choose_rows
 from . import tree_attention
+from .past_pool import PastPool
 from .plan import Row, split_segments
 from .tree_cache import TreeCache
 
@@ -161,50 +163,37 @@ def _split_new_kv(rows: list[Row], n_new: list[int], new_kv: torch.Tensor) -> No
 
 
 def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shared_tokens: int,
-                 kernel: str) -> int:
+                 kernel: str, pool: PastPool) -> int:
     """Forward ``rows`` with tree attention; return the KV bytes read (all layers).
 
-    ``layout``: ``(layers, kv_heads, head_dim, dtype, device)`` of the model's KV.
+    ``layout``: ``(layers, kv_heads, head_dim, dtype, device)`` of the model's KV; ``pool``: the
+    runner's :class:`~.past_pool.PastPool` of private pasts.
     """
     n_layers, heads, dim, dtype, dev = layout
     input_ids, positions, n_new = _inputs(rows, pad_id)
     R, m = input_ids.shape
     shared, private = split_segments(rows, min_shared_tokens)
 
-    # private pasts: distinct segments concatenated once into a pool; each layer's attention
-    # gathers its rows' pasts from it ([.., R, P, ..]) with one index, so the gathered copy
-    # exists for one layer at a time
-    P = max(sum(kv.shape[3] for kv in segs) for segs in private)
-    pool = index = None
+    # private pasts: the pool holds each distinct private segment once (kept across forwards:
+    # a decoding step copies in only the last step's new tokens); each layer lays out its rows'
+    # pasts and new tokens with one index from it, so a layout exists for one layer at a time
+    placed = pool.place(private, m)
+    P = 0 if placed is None else placed[1]
     mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
     mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
-    if P:
-        distinct: dict[int, tuple[int, torch.Tensor]] = {}
-        offset = 0
-        for segs in private:
-            for kv in segs:
-                key = (kv.data_ptr(), kv.shape[3])
-                if key not in distinct:
-                    distinct[key] = (offset, kv)
-                    offset += kv.shape[3]
-        pool = torch.cat([kv for _, kv in distinct.values()]
-                         + [torch.zeros((n_layers, 2, heads, 1, dim), dtype=dtype, device=dev)],
-                         dim=3)  # the last column is the (masked) padding
-        positions_in_pool: list[int] = []
-        for i, segs in enumerate(private):
-            pad = P - sum(kv.shape[3] for kv in segs)  # left padding
+    index = out = None
+    if placed is not None:
+        index, _, pads = placed
+        for i, pad in enumerate(pads):
             mask[i, :, :, :pad] = False
-            positions_in_pool.extend([offset] * pad)
-            for kv in segs:
-                start = distinct[(kv.data_ptr(), kv.shape[3])][0]
-                positions_in_pool.extend(range(start, start + kv.shape[3]))
-        index = torch.tensor(positions_in_pool, dtype=torch.long, device=dev)
+        out = torch.empty((2, heads, R * (P + m), dim), dtype=dtype, device=dev)
 
     segments = [tree_attention.Segment(
         kv, None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev), len(idx))
         for kv, idx in shared]
     new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
-    batch = tree_attention.TreeBatch(segments, pool, index, P, mask.to(dev), new_kv, kernel)
+    batch = tree_attention.TreeBatch(segments, pool if placed is not None else None, index, P,
+                                     mask.to(dev), new_kv, kernel, out)
     with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
         _, logits = _run_model(model, input_ids, positions, rows, n_new, TreeCache(batch))
     _results(rows, logits)

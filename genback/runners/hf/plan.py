@@ -85,8 +85,10 @@ def split_segments(rows: list[Row], min_shared_tokens: int):
     kernel launches and merges cost more than gathering it per row.
 
     Returns:
-        ``(shared, private)``: ``shared`` a list of ``(kv, row indices)``; ``private`` one list of
-        KV tensors per row (its other segments).
+        ``(shared, private)``: ``shared`` a list of ``(kv, row indices)``; ``private`` one list
+        per row of its other segments' KV tensors (as ``KVTree.match`` gave them: a node's own
+        ``kv`` when the whole edge is used, so its identity lasts across forwards; see
+        :class:`.past_pool.PastPool`).
     """
     users: dict[tuple, list[int]] = {}
     kvs: dict[tuple, object] = {}

@@ -22,6 +22,7 @@ from . import tree_attention
 from .forward import dense_forward, tree_forward
 from .kvtree import KVTree
 from .lora import LoraAdapters
+from .past_pool import PastPool
 from .plan import Row, group_rows, nesting_levels, shared_prefixes
 
 
@@ -110,6 +111,7 @@ class HFRunner:
         self.max_forward_bytes = max_forward_bytes
         self.min_shared_tokens = min_shared_tokens
         self.layout = self._probe_layout()
+        self.pool = PastPool(self.layout)  # private pasts of tree-attention forwards
         n_layers, heads, dim, dtype, _ = self.layout
         self.kv_token_bytes = n_layers * 2 * heads * dim * torch.empty((), dtype=dtype).element_size()
         self._score_bytes = 4 * getattr(model.config, "num_attention_heads", heads)
@@ -175,11 +177,14 @@ class HFRunner:
             "kv_nodes": len(tree),
             "evictions": tree.evictions,
             "kv_bytes_read": self.kv_bytes_read,
+            "past_pool_bytes": self.pool.nbytes,
+            "past_pool_columns_copied": self.pool.columns_copied,
             "attention": self.attention,
         }
 
     def clear(self, keep_pinned: bool) -> None:
         self.tree.clear(keep_pinned=keep_pinned)
+        self.pool.clear()
         _trim_host_memory()
 
     def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
@@ -210,6 +215,7 @@ class HFRunner:
 
     def close(self) -> None:
         self.tree.clear()
+        self.pool.clear()
         _trim_host_memory()
 
     # -- adapters --------------------------------------------------------------------------------
@@ -221,6 +227,7 @@ class HFRunner:
     def remove_adapter(self, key: int) -> None:
         """Drop adapter ``key``'s KV (pinned too) and unload its weights."""
         self.tree.drop_adapter(key)
+        self.pool.clear()
         self.lora.remove(key)
 
     # -- planning and forwards ----------------------------------------------------------------------
@@ -260,7 +267,9 @@ class HFRunner:
     def _forward(self, group: list[Row]) -> None:
         if self.use_tree:
             read = tree_forward(self.model, group, pad_id=self.pad_id, layout=self.layout,
-                                min_shared_tokens=self.min_shared_tokens, kernel=self.kernel)
+                                min_shared_tokens=self.min_shared_tokens, kernel=self.kernel,
+                                pool=self.pool)
+            self.pool.trim(self.max_forward_bytes)
         else:
             read = dense_forward(self.model, group, pad_id=self.pad_id, layout=self.layout)
         n_new = [r.n_new for r in group]

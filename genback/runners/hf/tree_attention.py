@@ -13,9 +13,9 @@ A forward's layout (built by :mod:`.plan`, one :class:`TreeBatch` per forward):
 * ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``);
 * shared segments: tree nodes' KV ``[layers, 2, kv_heads, L, dim]`` read in place, each with the
   rows below it;
-* a private past per row: the rest of its cached KV, gathered layer by layer from a pool of the
-  distinct private segments into ``[R, kv_heads, P, dim]`` (left-padded, masked), then the row's
-  new tokens, causal.
+* a private past per row: the rest of its cached KV, laid out layer by layer together with the
+  row's new tokens from the runner's :class:`~.past_pool.PastPool` into ``[R, kv_heads, P + m,
+  dim]`` (past left-padded and masked, new tokens causal).
 
 The function is registered with transformers' ``AttentionInterface`` as ``"genback_tree"`` and is
 active only while :func:`active` holds a batch on the calling thread (the runner switches the
@@ -49,15 +49,16 @@ class Segment:
 class TreeBatch:
     """Everything the attention of one forward needs besides the model's own tensors.
 
-    ``pool``: ``[layers, 2, kv_heads, T, dim]``, the distinct private segments (and a padding
-    column), or None (P == 0); ``index``: long ``[R * P]``, the pool columns of each row's
-    left-padded private past; ``mask``: bool
+    ``pool``: the runner's :class:`~.past_pool.PastPool` holding the rows' private segments, or
+    None (P == 0); ``index``: long ``[R * (P + m)]``, the pool columns of each row's left-padded
+    private past and new tokens (:meth:`PastPool.place`); ``out``: the ``[2, kv_heads,
+    R * (P + m), dim]`` buffer each layer's layout is written to; ``mask``: bool
     ``[R, 1, m, P + m]`` (True = attend) for the private past and the new tokens; ``new_kv``:
     ``[layers, 2, R, kv_heads, m, dim]``, filled by the cache with each layer's new keys/values.
     """
 
     segments: list[Segment]
-    pool: torch.Tensor | None
+    pool: object | None
     index: torch.Tensor | None
     P: int
     mask: torch.Tensor
@@ -65,16 +66,16 @@ class TreeBatch:
     # "flash": torch's fused attention ops that return the LSE (CPU: 6.5x faster than "math" for
     # 768 stacked queries over a 4,000-token segment, measured); "math": scores materialised
     kernel: str = "flash"
+    out: torch.Tensor | None = None
     bytes_read: int = field(default=0)  # KV bytes attention read (all layers), for statistics
 
-    def private(self, layer: int, R: int):
-        """Layer ``layer``'s private pasts: keys and values, each ``[R, kv_heads, P, dim]``
-        (None when P == 0)."""
+    def keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Layer ``layer``'s keys and values of every row, private past then new tokens, each
+        ``[R, kv_heads, P + m, dim]``; just ``key`` / ``value`` (the new tokens, ``[R, kv_heads,
+        m, dim]``) when no row has a private past."""
         if self.pool is None:
-            return None
-        kv = self.pool[layer].index_select(2, self.index)  # [2, kv_heads, R * P, dim]
-        kv = kv.view(2, kv.shape[1], R, self.P, kv.shape[3]).transpose(1, 2)
-        return kv[0], kv[1]
+            return key, value
+        return self.pool.layer(layer, key, value, self.index, self.P, self.out)
 
 
 @contextmanager
@@ -152,14 +153,9 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     qg = query.reshape(R, Hkv, G * m, D)
 
     # 1. private past + new tokens, per row (masked: left padding, causal new block)
-    private = batch.private(layer, R)
-    if private is not None:
-        k = torch.cat([private[0], key], dim=2)
-        v = torch.cat([private[1], value], dim=2)
-    else:
-        k, v = key, value
+    k, v = batch.keys_values(layer, key, value)
     if not batch.segments:  # nothing to merge: no LSE needed
-        if private is None:  # right-padded new tokens only: causal is exact for real ones
+        if batch.pool is None:  # right-padded new tokens only: causal is exact for real ones
             out = F.scaled_dot_product_attention(query, k, v, is_causal=m > 1, scale=scale,
                                                  enable_gqa=G > 1)
         else:
