@@ -208,3 +208,48 @@ def test_rolling_windows_of_all_texts_share_one_batch(smol_hf):
         assert out.logprob == pytest.approx(total, abs=1e-4)
         assert out.token_count == len(tok.encode(t))
         assert math.isfinite(out.logprob)
+
+
+async def test_query_too_large_for_one_forward_is_answered_in_pieces(tiny_hf, gpt2_tok):
+    """A scoring query whose forward exceeds ``max_forward_bytes`` is answered by forwards that
+    each fit (its context prefilled in chunks, its continuation scored in slices): the same
+    log-probs and greedy flags as brute force, in the counted number of forwards."""
+    torch.manual_seed(0)
+    ctx = torch.randint(100, 5000, (300,)).tolist()
+    cont = torch.randint(100, 5000, (30,)).tolist()
+    L = len(ctx) + len(cont) - 1
+    per_position = L * 16 + 4 * tiny_hf.config.vocab_size  # scores (4 heads fp32) + logits
+    limit = 2 * per_position * 5  # slices of 5 targets; prefill chunks of limit // (2 * L * 16)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, max_forward_bytes=limit)
+    try:
+        lps, flags = await lm.score(ctx, cont)
+        want_lps, want_flags = brute(tiny_hf, ctx, cont)
+        assert float((lps - want_lps).abs().max()) <= 1e-5
+        assert flags.tolist() == want_flags.tolist()
+        chunk = limit // (2 * L * 16)
+        chunks = len(range(chunk, len(ctx), chunk))  # prefill ends before the first target
+        assert lm.cache_info()["forwards"] == chunks + 6  # 30 targets in slices of 5
+    finally:
+        await lm.aclose()
+
+
+async def test_query_that_cannot_fit_fails_alone_naming_the_limit(tiny_hf, gpt2_tok):
+    """When even one position's forward exceeds ``max_forward_bytes``, that query fails with a
+    ValueError naming the limit; the queries batched with it are answered."""
+    per_short = 8 * 16 + 4 * tiny_hf.config.vocab_size
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, max_forward_bytes=per_short + 2000,
+                          batch_window=0.05)
+    try:
+        long_ctx = list(range(1000, 1400))
+        short = [[1000 + i, 7, 8] for i in range(4)]
+        got = await asyncio.gather(lm.score(long_ctx, [5, 6]),
+                                   *(lm.next_token_logprobs(c) for c in short),
+                                   return_exceptions=True)
+        assert isinstance(got[0], ValueError) and "max_forward_bytes" in str(got[0])
+        for row, ctx in zip(got[1:], short):
+            assert float((row - lm.next_token_logprobs_uncached(ctx)).abs().max()) <= 1e-5
+        assert lm.cache_info()["batches"] == 1
+        # the model keeps serving
+        assert (await lm.next_token_logprobs([1, 2, 3])).shape == (tiny_hf.config.vocab_size,)
+    finally:
+        await lm.aclose()

@@ -142,7 +142,7 @@ class AsyncLM(QueueHooks, Decoding):
 
     def _compute_locked(self, queries: list[Query]) -> list:
         """One result per query: a row / value tensor, or the exception that fails only that
-        query (its adapter was removed while it waited)."""
+        query (its adapter was removed while it waited, or it cannot fit in memory)."""
         results: list = [None] * len(queries)
         todo = []
         for i, q in enumerate(queries):
@@ -161,7 +161,8 @@ class AsyncLM(QueueHooks, Decoding):
                 computed = self._runner.run([queries[i] for i in todo]) if todo else []
             for i, value in zip(todo, computed):
                 results[i] = value
-                if queries[i].targets is None and queries[i].pick is None:
+                if (queries[i].targets is None and queries[i].pick is None
+                        and not isinstance(value, BaseException)):
                     self._output_cache.put(_row_key(queries[i]), value)
         return results
 

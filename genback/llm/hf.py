@@ -31,8 +31,12 @@ class AsyncTransformer(AdapterNames, AsyncLM):
         max_batch_tokens: most new tokens (padding included) one forward computes (>= 1); a
             batch is split into forwards by this and by ``max_forward_bytes``, never by the
             length of whole contexts (a one-token extension of a 4,000-token context is one token).
-        max_forward_bytes: bound on one forward's attention working set in bytes (default: a
-            quarter of free memory, at most 2 GiB).
+        max_forward_bytes: bound on one forward's working set in bytes: attention scores and
+            the logits of the positions it scores (default: a quarter of free memory, at most
+            2 GiB). A query larger than that is answered in forwards that fit (its context
+            prefilled in chunks, its continuation scored in slices); one whose single position
+            does not fit fails alone with a ``ValueError`` naming the limit. Private pasts kept
+            between forwards (``cache_info()["past_pool_bytes"]``) are freed beyond it.
         kv_budget_bytes: most bytes of KV kept in the prefix tree (default: half of the device's
             free memory at construction); least recently used leaves are evicted beyond it and
             recomputed when asked again. Everything genback keeps of a forward lives in the tree.

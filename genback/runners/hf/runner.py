@@ -73,8 +73,9 @@ class HFRunner:
         kv_budget_bytes: most bytes of KV the tree holds (None: half the device's free memory at
             construction); least recently used leaves are evicted beyond it.
         max_batch_tokens: most new tokens (padding included) one forward computes.
-        max_forward_bytes: bound on a forward's attention working set (None: a quarter of the
-            free memory, at most 2 GiB).
+        max_forward_bytes: bound on a forward's working set, attention scores and logits (None:
+            a quarter of the free memory, at most 2 GiB); larger queries are answered in pieces
+            (:meth:`_pieces`), and one that cannot fit fails alone.
         min_shared_tokens: a cached segment under ``n`` rows is read once for all of them when
             ``(n - 1) * length`` reaches this (see :func:`.plan.split_segments`).
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
@@ -115,6 +116,7 @@ class HFRunner:
         n_layers, heads, dim, dtype, _ = self.layout
         self.kv_token_bytes = n_layers * 2 * heads * dim * torch.empty((), dtype=dtype).element_size()
         self._score_bytes = 4 * getattr(model.config, "num_attention_heads", heads)
+        self._logit_bytes = 4 * int(getattr(model.config, "vocab_size", 0) or 0)
         reason = tree_attention_support(model)
         if attention == "tree" and reason:
             raise ValueError(f"attention='tree' is not available for this model: {reason}")
@@ -153,6 +155,75 @@ class HFRunner:
         return results
 
     def _run_one_adapter(self, queries: list[Query]) -> list:
+        results: list = [None] * len(queries)
+        fit = []
+        for i, q in enumerate(queries):
+            try:
+                pieces = self._pieces(q)
+            except ValueError as exc:  # fails alone; the others go on
+                results[i] = exc
+                continue
+            if pieces is None:
+                fit.append(i)
+            else:
+                results[i] = self._run_pieces(q, pieces)
+        if fit:
+            for i, out in zip(fit, self._run_fitting([queries[i] for i in fit])):
+                results[i] = out
+        else:
+            self._evict()
+        return results
+
+    def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
+        """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
+        queries over ``length`` keys (materialised by the masked kernels), plus the logits of
+        ``n_outputs`` positions."""
+        return n_new * length * self._score_bytes + n_outputs * self._logit_bytes
+
+    def _pieces(self, q: Query) -> list[Query] | None:
+        """None when ``q`` fits in one forward of ``max_forward_bytes``, else the queries that
+        answer it in forwards that each fit: KV-only prefills of its uncached context in chunks,
+        then its targets in consecutive slices (each a query over the tokens up to its slice;
+        the KV of the earlier ones is in the tree, so each forwards only its own tokens).
+
+        Raises:
+            ValueError: not even one output position fits in ``max_forward_bytes``.
+        """
+        L, n_out = len(q.tokens), q.n_outputs
+        cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter)[1]
+        limit = self.max_forward_bytes
+        if self._working_set(L - cached, L, n_out) <= limit:
+            return None
+        per_position = self._working_set(1, L, 1)
+        if per_position > limit:
+            raise ValueError(
+                f"a query of {L} tokens needs about {per_position:,} bytes for one position's "
+                f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
+        # half the limit each for a prefill chunk and a target slice, which may share a forward
+        chunk = max(1, limit // (2 * L * self._score_bytes))  # KV-only prefill: no logits
+        pieces = [Query(q.tokens[:end], (), q.adapter)
+                  for end in range(cached + chunk, L - n_out + 1, chunk)]
+        if not q.targets:  # a next-token row, a decoding step or a KV-only query: one position
+            return pieces + [q]
+        step = max(1, limit // (2 * per_position))
+        n = len(q.targets)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            pieces.append(Query(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
+        return pieces
+
+    def _run_pieces(self, q: Query, pieces: list[Query]):
+        """Run ``pieces`` (from :meth:`_pieces`) one forward each; return ``q``'s result (the
+        target slices' log-probs, and greedy flags, joined in order)."""
+        parts = [self._run([piece], evict=False)[0] for piece in pieces]
+        if not q.targets:
+            return parts[-1]
+        parts = [p for p, piece in zip(parts, pieces) if piece.targets]
+        if q.greedy:
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return torch.cat(parts)
+
+    def _run_fitting(self, queries: list[Query]) -> list:
         adapter = queries[0].adapter
         # a query forwards at least its tokens from len(tokens) - n_outputs on (their logits are
         # needed), so what a prefill can save it is the part before: for a scoring query
@@ -204,7 +275,9 @@ class HFRunner:
                     f"{self.tree.budget_bytes:,}: raise the budget or pin a shorter prompt")
         try:
             self.lora.activate(adapter)
-            self._run([Query(tokens, (), adapter)], evict=False)
+            query = Query(tokens, (), adapter)
+            for piece in self._pieces(query) or [query]:
+                self._run([piece], evict=False)
             if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
                 n_layers, heads, dim, dtype, dev = self.layout
                 empty = torch.empty((n_layers, 2, heads, 0, dim), dtype=dtype, device=dev)
