@@ -362,6 +362,17 @@ class AsyncLM(QueueHooks, Decoding):
         info.update(self._runner.stats())
         return info
 
+    @property
+    def forwards(self) -> int:
+        """Model forwards the runner ran for batches, not counting uncached references
+        (``cache_info()["forwards"]``; on vLLM its requests)."""
+        return self._runner.stats()["forwards"]
+
+    @property
+    def tokens_forwarded(self) -> int:
+        """Tokens the runner forwarded, padding excluded (``cache_info()["tokens_forwarded"]``)."""
+        return self._runner.stats()["tokens_forwarded"]
+
     def clear_cache(self) -> None:
         """Drop every cached row and every unpinned cached KV state (pinned prompts stay)."""
         self._output_cache.clear()

@@ -161,15 +161,6 @@ class AsyncTransformer(AdapterNames, AsyncLM):
 
     # -- statistics and reference --------------------------------------------------------------------
 
-    @property
-    def forwards(self) -> int:
-        """Model forwards run by batches (not counting the uncached reference)."""
-        return self._runner.forwards
-
-    @property
-    def tokens_forwarded(self) -> int:
-        return self._runner.tokens_forwarded
-
     @torch.inference_mode()
     def next_token_logprobs_uncached(self, token_ids, lora_name=None) -> torch.Tensor:
         """Reference: one full forward of ``token_ids`` alone, no cache, no batching, the

@@ -33,9 +33,5 @@ class MockAsyncLM(AsyncLM):
 
         return cls(AutoTokenizer.from_pretrained(resolve(model_name)), **kwargs)
 
-    @property
-    def forwards(self) -> int:
-        return self._runner.forwards
-
     def _row(self, tokens):
         return self._runner.row(tuple(tokens))
