@@ -124,6 +124,26 @@ class Decoding:
         self._check_open()
         return prompt, frozenset(eos) | frozenset(stops)
 
+    async def sample_stream(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,
+                            seed=None, lora_name=None) -> AsyncIterator[int]:
+        """Async iterator of the token ids :meth:`sample` returns, each as soon as it is chosen
+        (on ``AsyncVirtualLM``: as vLLM produces it). Same arguments, draws and errors as
+        :meth:`sample`; leaving the loop early (``break`` then ``aclose``, cancellation) stops
+        the generation (vLLM: aborts its request)."""
+        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
+                                              temperature)
+        _check_seed(seed, "seed")
+        params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
+        stream = self.generate_stream(prompt, params, max_tokens, sorted(eos),
+                                      lora_name=lora_name)
+        try:
+            async for choice in stream:
+                if choice.token in eos:
+                    return
+                yield choice.token
+        finally:
+            await stream.aclose()
+
     async def sample(
         self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0, seed=None,
         lora_name=None,
@@ -135,32 +155,23 @@ class Decoding:
         :meth:`choose_next` step per token, :mod:`genback.sampling` on the model's device) the
         draw uses a generator seeded from ``(seed, step)``: reproducible when ``seed`` is given,
         whatever else is computed beside it. On ``AsyncVirtualLM`` it is vLLM's sampler with a
-        per-request seed (same distribution, another random stream). Stops after ``max_tokens``
-        tokens or at a token in ``eos_token_ids`` (not included).
+        per-request seed: the same distribution, reproducible, but another random stream than
+        ``AsyncTransformer``'s. Stops after ``max_tokens`` tokens or at a token in
+        ``eos_token_ids`` (not included; the model's own EOS does not stop it unless listed).
 
         Returns:
             the generated token ids (without the prompt).
 
         Raises:
-            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids.
+            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids, an unknown
+                ``lora_name``, or (vLLM) prompt plus ``max_tokens`` longer than the engine's
+                ``max_model_len``.
             TypeError: a ``temperature`` that is not a number (``True`` included), a ``seed``
                 that is not an int or None.
+            RuntimeError: (vLLM) the engine failed the request.
         """
-        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
-                                              temperature)
-        _check_seed(seed, "seed")
-        params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
-        generated: list[int] = []
-        stream = self.generate_stream(prompt, params, max_tokens, sorted(eos),
-                                      lora_name=lora_name)
-        try:
-            async for choice in stream:
-                if choice.token in eos:
-                    break
-                generated.append(choice.token)
-        finally:
-            await stream.aclose()
-        return generated
+        return [t async for t in self.sample_stream(prompt_token_ids, max_tokens, eos_token_ids,
+                                                    temperature, seed, lora_name)]
 
     def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
         """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call (shared by
