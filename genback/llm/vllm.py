@@ -291,8 +291,9 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
             return
         if len(prompt) + max_new_tokens > self.max_context_length + 1:
             raise ValueError(
-                f"prompt_token_ids ({len(prompt)} tokens) plus max_new_tokens={max_new_tokens} "
-                f"exceed the engine's max_model_len={self.max_context_length + 1}")
+                f"prompt_token_ids ({len(prompt)} tokens) plus {max_new_tokens} new tokens "
+                f"(max_new_tokens; sample's max_tokens) exceed the engine's "
+                f"max_model_len={self.max_context_length + 1}")
         if max_new_tokens == 0:
             return
         self._count(len(prompt))
