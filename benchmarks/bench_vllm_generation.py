@@ -1,7 +1,10 @@
 """One engine-facade generation on AsyncVirtualLM: tokens/s of a long greedy generation and of a
 seeded sampled one, with the vLLM requests it cost (``cache_info()["requests"]``).
 
-    python benchmarks/bench_vllm_generation.py [--tokens 200] [--runs 3]
+    python benchmarks/bench_vllm_generation.py [--tokens 200] [--runs 3] [--concurrent 16]
+
+``--concurrent N`` also times N greedy generations of ``--tokens`` tokens sent in one
+``session.generate`` call (total tokens/s; vLLM batches them).
 
 Before engine generation streamed from vLLM, each token was a full-vocabulary row query (one
 vLLM request per token); now a generation is one vLLM request sampled by vLLM itself.
@@ -22,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=0)
     args = ap.parse_args()
     opts = {"engine_opts": dict(dtype="float32", max_model_len=1024, enforce_eager=True,
                                 kv_cache_memory_bytes=256 << 20, seed=0)}
@@ -45,6 +49,18 @@ def main() -> None:
             dt, n, requests = best
             print(f"{label}: {n} tokens in {dt:.2f} s = {n / dt:.1f} tokens/s "
                   f"({requests} vLLM requests), fastest of {args.runs}")
+        if args.concurrent:
+            reqs = [GenerationRequest(prompt=f"Story number {i} about a lighthouse keeper:",
+                                      max_new_tokens=args.tokens,
+                                      metadata={"min_new_tokens": args.tokens})
+                    for i in range(args.concurrent)]
+            before = lm.cache_info()["requests"]
+            t0 = time.perf_counter()
+            outs = session.generate(reqs)
+            dt = time.perf_counter() - t0
+            n = sum(o.metadata["completion_tokens"] for o in outs)
+            print(f"{args.concurrent} concurrent greedy: {n} tokens in {dt:.2f} s = "
+                  f"{n / dt:.1f} tokens/s ({lm.cache_info()['requests'] - before} vLLM requests)")
 
 
 if __name__ == "__main__":
