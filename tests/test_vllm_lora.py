@@ -137,4 +137,10 @@ async def test_bad_adapter_names_and_paths(vlm, tmp_path, contexts):
         vlm.add_new_lora(str(tmp_path), "empty")
     with pytest.raises(ValueError, match="not a registered adapter"):
         vlm.remove_lora("zzz")
+    # an adapter vLLM refuses (rank above the engine's max_lora_rank): vLLM's reason, raised
+    # by add_new_lora; the engine keeps serving
+    big = _make_adapter(tmp_path / "r16", 3, ["q_proj"], 16)
+    with pytest.raises(ValueError, match="LoRA rank 16 is greater than max_lora_rank 8"):
+        vlm.add_new_lora(big, "big")
     assert vlm.lora_names == ["a"]
+    assert (await vlm.next_token_logprobs(contexts[0])).shape == (vlm.vocab_size,)
