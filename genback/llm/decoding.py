@@ -21,7 +21,8 @@ from .inputs import check_token_ids
 
 
 class Decoding:
-    """``choose_next``, ``generate_stream``, ``sample`` and ``batch_sample`` of :class:`~genback.llm.AsyncLM`."""
+    """``choose_next``, ``generate_stream``, ``sample``, ``sample_stream`` and ``batch_sample``
+    of :class:`~genback.llm.AsyncLM`."""
 
     async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
         """One decoding step: choose the token after ``token_ids`` as ``pick`` says.

