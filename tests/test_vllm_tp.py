@@ -31,6 +31,7 @@ def test_tensor_parallel_2_rows_match_transformer(monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}  # e.g. a shared engine of conftest
     lm = AsyncVirtualLM.from_name("gemma3-270m", engine_opts=dict(
         tensor_parallel_size=2, max_model_len=256, enforce_eager=True,
         kv_cache_memory_bytes=128 << 20, seed=0))
@@ -44,8 +45,8 @@ def test_tensor_parallel_2_rows_match_transformer(monkeypatch):
         assert len(tokens) == 6
     finally:
         lm.close()
-    left = [p for p in me.children(recursive=True)
-            if p.is_running() and p.status() != "zombie" and "VLLM" in p.name()]
+    left = [p for p in me.children(recursive=True) if p.pid not in before
+            and p.is_running() and p.status() != "zombie" and "VLLM" in p.name()]
     assert not left, [p.name() for p in left]
     ref = AsyncTransformer.from_name("gemma3-270m")
     try:

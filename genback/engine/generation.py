@@ -1,12 +1,16 @@
 """Text generation on any ``AsyncLM``: prompt preparation, the generation config, stop strings,
 streaming.
 
-Decoding asks ``lm.choose_next(prompt + generated, pick)`` once per step: the token is chosen by
-:mod:`genback.sampling` where the logits are (on ``AsyncTransformer`` on the model's device, only
-the token and the asked-for log-probs come back), and every request in flight joins the same
-auto-batches (continuous batching: a finished request leaves, a request that arrives mid-way
-joins the next step's forward). On ``AsyncTransformer`` each step forwards one token per request
-on top of the KV the previous step left in the prefix tree.
+Decoding consumes ``lm.generate_stream(prompt, params, ...)``, the public streaming method of
+every ``AsyncLM``. Its base form asks ``lm.choose_next(prompt + generated, pick)`` once per step:
+the token is chosen by :mod:`genback.sampling` where the logits are (on ``AsyncTransformer`` on
+the model's device, only the token and the asked-for log-probs come back), and every request in
+flight joins the same auto-batches (continuous batching: a finished request leaves, a request
+that arrives mid-way joins the next step's forward); on ``AsyncTransformer`` each step forwards
+one token per request on top of the KV the previous step left in the prefix tree.
+``AsyncVirtualLM`` streams each generation as one vLLM request sampled by vLLM's own sampler
+(``RequestOutputKind.DELTA``), so tokens arrive as vLLM makes them. Stop strings are checked
+here, on the new text only; a match closes the stream (the vLLM request is aborted).
 
 The generation config of a request (:func:`generation_config`): ``temperature`` / ``do_sample``
 and ``max_new_tokens`` from the request's fields, the rest from ``request.metadata``: ``top_k``,
@@ -22,7 +26,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..sampling import Pick, SamplingParams
+from ..sampling import SamplingParams
 from .encoding import encode_text, prefix_token_id
 from .types import GenerationOutput, GenerationRequest
 
@@ -187,11 +191,13 @@ async def decode(
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
-    Each step is one ``lm.choose_next`` query (the token is chosen where the logits are). Stops
+    The tokens come from ``lm.generate_stream`` (one ``choose_next`` step per token on
+    ``AsyncTransformer``; one streamed request sampled by vLLM on ``AsyncVirtualLM``). Stops
     at an EOS token or one of ``config.stop_token_ids`` (not included; ``finish_reason="eos"`` /
     ``"stop"``; neither can end it before ``config.min_new_tokens``: they are banned until then),
     when the text contains a stop string (checked on the new text of each step; the text is cut
-    at the earliest one; ``"stop"``), or after ``max_new_tokens`` tokens or at the model's
+    at the earliest one; ``"stop"``; the stream is closed then, so the backend stops
+    generating), or after ``max_new_tokens`` tokens or at the model's
     ``max_length`` (``"length"``). ``on_event`` receives the :class:`StreamEvent` of every step,
     the last carrying the output.
 
@@ -206,47 +212,48 @@ async def decode(
     params = config.params
     stops = [s for s in stop if s]
     hold = max((len(s) for s in stops), default=1) - 1
-    enders = set(eos_ids) | set(config.stop_token_ids)
-    banned = tuple(sorted(t for t in enders if t < lm.vocab_size))
+    limit = max_new_tokens
+    if max_length:
+        limit = max(0, min(limit, max_length - len(prompt_ids)))
     generated: list[int] = []
     logprobs: list[float] = []
     tops: list[list[list]] = []
     text, emitted, pending_ids = "", 0, []
     finish, matched = "length", None
-    while len(generated) < max_new_tokens:
-        if max_length and len(prompt_ids) + len(generated) >= max_length:
-            break
-        step = len(generated)
-        pick = Pick(params, len(prompt_ids), step,
-                    banned if step < config.min_new_tokens else ())
-        choice = await lm.choose_next(prompt_ids + generated, pick)
-        token = choice.token
-        if token in enders:
-            finish = "eos" if token in eos_ids else "stop"
-            if finish == "stop":
-                matched = token
-            break
-        generated.append(token)
-        pending_ids.append(token)
-        if params.logprobs:
-            logprobs.append(choice.logprob)
-        if params.top_logprobs:
-            tops.append([[t, lp] for t, lp in choice.top_logprobs])
-        before = len(text)
-        text = tokenizer.decode(generated)
-        # only the new text can complete a stop string (back up for one that straddles, and
-        # for a partial UTF-8 character the new token completed)
-        cut, found = _earliest_stop(text, stops, max(0, before - hold - 2))
-        if cut >= 0:
-            matched, text, finish = found, text[:cut], "stop"
-            break
-        if on_event is not None:
-            safe = len(text) - hold
-            while safe > emitted and text[safe - 1] == "\ufffd":
-                safe -= 1
-            if safe > emitted:
-                on_event(StreamEvent(text[emitted:safe], pending_ids))
-                emitted, pending_ids = safe, []
+    stream = lm.generate_stream(prompt_ids, params, limit, sorted(eos_ids),
+                                min_new_tokens=config.min_new_tokens,
+                                stop_token_ids=config.stop_token_ids)
+    try:
+        async for choice in stream:
+            token = choice.token
+            if token in eos_ids or token in config.stop_token_ids:
+                finish = "eos" if token in eos_ids else "stop"
+                if finish == "stop":
+                    matched = token
+                break
+            generated.append(token)
+            pending_ids.append(token)
+            if params.logprobs:
+                logprobs.append(choice.logprob)
+            if params.top_logprobs:
+                tops.append([[t, lp] for t, lp in choice.top_logprobs])
+            before = len(text)
+            text = tokenizer.decode(generated)
+            # only the new text can complete a stop string (back up for one that straddles,
+            # and for a partial UTF-8 character the new token completed)
+            cut, found = _earliest_stop(text, stops, max(0, before - hold - 2))
+            if cut >= 0:
+                matched, text, finish = found, text[:cut], "stop"
+                break
+            if on_event is not None:
+                safe = len(text) - hold
+                while safe > emitted and text[safe - 1] == "\ufffd":
+                    safe -= 1
+                if safe > emitted:
+                    on_event(StreamEvent(text[emitted:safe], pending_ids))
+                    emitted, pending_ids = safe, []
+    finally:
+        await stream.aclose()  # a stop string ended it early: the backend stops generating
     meta = dict(metadata or {})
     meta.update(finish_reason=finish, prompt_tokens=len(prompt_ids),
                 completion_tokens=len(generated), token_ids=list(generated))

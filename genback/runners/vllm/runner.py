@@ -15,6 +15,10 @@ output cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunne
   ``prompt_logprobs=0`` over ``context + continuation``; vLLM reports each prompt token's
   log-prob and rank (rank 1 is the argmax);
 * KV only (``targets == ()``): one greedy step, so the prompt's blocks enter the prefix cache.
+
+A query under a LoRA adapter (``Query.adapter``, a key from :meth:`VLLMRunner.add_adapter`)
+sends its request with that adapter's ``LoRARequest``; vLLM keys its prefix cache by the
+adapter's name, which is new for every registration.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Hashable
 import torch
 
 from ...batcher import BatcherClosed
-from ...query import Query
+from ...query import Query, row_key
 from .engine import EngineLoop
 from .tap import TAP_KEY, RowSlots
 
@@ -34,7 +38,7 @@ from .tap import TAP_KEY, RowSlots
 def query_key(q: Query) -> Hashable:
     """The key identical in-flight queries share (as ``AsyncLM`` keys its batcher)."""
     plain_row = q.targets is None and getattr(q, "pick", None) is None
-    return q.tokens if plain_row else q
+    return row_key(q) if plain_row else q
 
 
 class VLLMRunner:
@@ -64,6 +68,61 @@ class VLLMRunner:
         self._kv_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         self._prompt_params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
                                              flat_logprobs=True, detokenize=False)
+        self.loras: dict[int, object] = {}  # adapter key -> vllm LoRARequest
+        self._next_lora = 1  # vLLM's lora_int_id must be >= 1
+
+    # -- LoRA adapters -----------------------------------------------------------------------------
+
+    def add_adapter(self, path: str) -> int:
+        """Load the peft adapter folder ``path`` into the engine; returns its new key (its
+        ``lora_int_id``, never reused).
+
+        Raises:
+            ValueError: the engine was built without ``enable_lora=True``, or vLLM could not
+                load the adapter (the message has vLLM's reason, e.g. a rank above
+                ``max_lora_rank``).
+        """
+        from vllm.lora.request import LoRARequest
+
+        if getattr(self.engine.engine.vllm_config, "lora_config", None) is None:
+            raise ValueError(
+                "this vLLM engine was built without LoRA: pass engine_opts={'enable_lora': True, "
+                "'max_lora_rank': R} (R >= the adapter's rank) to AsyncVirtualLM.from_name")
+        key, self._next_lora = self._next_lora, self._next_lora + 1
+        request = LoRARequest(f"genback-lora-{key}", key, path)
+        try:
+            self.engine.call(self.engine.engine.add_lora(request))
+        except Exception as exc:  # noqa: BLE001 - vLLM's own exception types vary
+            raise ValueError(f"vLLM could not load the LoRA adapter at {path!r}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        self.loras[key] = request
+        return key
+
+    def remove_adapter(self, key: int, error: BaseException) -> None:
+        """Drop adapter ``key``: its requests in flight are aborted and their callers get
+        ``error``; the engine unloads it."""
+        self.loras.pop(key, None)
+        engine = self.engine
+        if engine.closed:
+            return
+        engine.cancel_tagged(key, error)
+        try:
+            engine.call(engine.engine.remove_lora(key))
+        except Exception:  # noqa: BLE001 - never in the engine's adapter slots: nothing to free
+            pass
+
+    def lora_request(self, adapter: int | None):
+        """The ``LoRARequest`` of adapter key ``adapter`` (None for the base model).
+
+        Raises:
+            ValueError: the adapter was removed.
+        """
+        if adapter is None:
+            return None
+        request = self.loras.get(adapter)
+        if request is None:
+            raise ValueError(f"LoRA adapter key {adapter} was removed (remove_lora)")
+        return request
 
     # -- on the engine loop --------------------------------------------------------------------
 
@@ -71,29 +130,30 @@ class VLLMRunner:
         """The result of one query (see :class:`genback.query.Query`)."""
         if getattr(q, "pick", None) is not None:
             raise ValueError("the vLLM runner answers rows, not decoding picks (picks=False)")
+        lora = self.lora_request(q.adapter)
         if q.targets is None:
-            return await self._row(q.tokens)
+            return await self._row(q.tokens, lora)
         if q.targets == ():
-            await self._generate(q.tokens, self._kv_params)
+            await self._generate(q.tokens, self._kv_params, lora)
             return None
         prompt = q.tokens + q.targets[-1:]
-        out = await self._generate(prompt, self._prompt_params)
+        out = await self._generate(prompt, self._prompt_params, lora)
         logprobs, ranks = prompt_token_logprobs(out.prompt_logprobs, prompt, len(q.targets))
         return (logprobs, ranks == 1) if getattr(q, "greedy", False) else logprobs
 
-    async def _generate(self, prompt, params):
-        out = await self.engine.generate(prompt, params)
+    async def _generate(self, prompt, params, lora=None):
+        out = await self.engine.generate(prompt, params, lora_request=lora)
         self.tokens_forwarded += len(prompt) - (out.num_cached_tokens or 0)
         return out
 
-    async def _row(self, tokens: tuple[int, ...]) -> torch.Tensor:
+    async def _row(self, tokens: tuple[int, ...], lora=None) -> torch.Tensor:
         if self.use_tap and self.slots is not None:
             seg, slot = self.slots.acquire()
             try:
                 params = self._SamplingParams(
                     max_tokens=1, temperature=0.0, detokenize=False,
                     extra_args={TAP_KEY: self.slots.spec(seg, slot)})
-                await self._generate(tokens, params)
+                await self._generate(tokens, params, lora)
                 row = self.slots.read(seg, slot)
             finally:
                 self.slots.release(seg, slot)
@@ -105,14 +165,15 @@ class VLLMRunner:
                     "a vLLM row did not come through genback's shared-memory tap; it and all "
                     "later rows use vLLM's logprobs=-1 output (row_source='logprobs')")
             self.tap_fallbacks += 1
-        out = await self._generate(tokens, self._row_params)
+        out = await self._generate(tokens, self._row_params, lora)
         return flat_row(out.outputs[0].logprobs, self.width)
 
     # -- the runner protocol (blocking callers) ---------------------------------------------------
 
     def run(self, queries) -> list:
         """Answer queries from a blocking caller: all are sent at once, then awaited."""
-        futures = [self.engine.submit(self.engine.join(query_key(q), lambda q=q: self.answer(q)))
+        futures = [self.engine.submit(self.engine.join(query_key(q), lambda q=q: self.answer(q),
+                                                       q.adapter))
                    for q in queries]
         try:
             return [f.result() for f in futures]
@@ -141,8 +202,8 @@ class VLLMRunner:
     async def _reset_prefix_cache(self) -> None:
         await self.engine.engine.reset_prefix_cache()
 
-    def pin(self, tokens) -> None:
-        self.run([Query(tuple(tokens), ())])  # its full blocks enter the prefix cache
+    def pin(self, tokens, adapter: int | None = None) -> None:
+        self.run([Query(tuple(tokens), (), adapter)])  # its full blocks enter the prefix cache
 
     def close(self) -> None:
         self.engine.close()
@@ -158,8 +219,10 @@ class Dispatcher:
     properties; vLLM's scheduler (``max_num_seqs``, ``max_num_batched_tokens``) sizes its batches.
     """
 
-    def __init__(self, runner: VLLMRunner, output_cache, window: float, max_batch_size: int):
+    def __init__(self, runner: VLLMRunner, output_cache, window: float, max_batch_size: int,
+                 adapter_error=lambda adapter: None):
         self.runner = runner
+        self.adapter_error = adapter_error  # AsyncLM._adapter_error
         self.output_cache = output_cache
         self.window = window
         self.max_batch_size = max_batch_size
@@ -184,14 +247,20 @@ class Dispatcher:
         Raises:
             BatcherClosed: closed, or reset while the query ran.
             RuntimeError: the engine failed this request (names vLLM and the cause).
+            ValueError: its LoRA adapter was removed or replaced (before or while it ran).
         """
         if self._closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
+        error = self.adapter_error(query.adapter)
+        if error is not None:
+            raise error
         runner = self.runner
-        result = await runner.engine.run(runner.engine.join(key, lambda: runner.answer(query)))
+        result = await runner.engine.run(runner.engine.join(key, lambda: runner.answer(query),
+                                                            query.adapter))
         runner.flush_warnings()
-        if query.targets is None and getattr(query, "pick", None) is None:
-            self.output_cache.put(query.tokens, result)
+        if query.targets is None and getattr(query, "pick", None) is None \
+                and self.adapter_error(query.adapter) is None:
+            self.output_cache.put(row_key(query), result)
         return result
 
     def reset(self, exc: BaseException | None = None) -> int:
