@@ -380,6 +380,8 @@ def test_engine_reads_eos_and_cache_from_the_public_surface(lm, session, gpt2_to
 
     assert lm.tokenizer.eos_token_id in lm.eos_token_ids  # <|im_end|> = 2 on SmolLM2
     assert session.describe_execution()["kv_cache"] == lm.cache_kind == "prefix tree"
+    assert session.describe_execution()["batching"] == lm.batching_kind
+    assert "genback auto-batcher" in lm.batching_kind
     mock = MockAsyncLM(gpt2_tok)
     with GenbackEngine(lm=mock).build() as s:
         assert s.describe_execution()["kv_cache"] is None

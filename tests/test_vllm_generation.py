@@ -150,6 +150,7 @@ def test_facade_streams_events_while_the_request_runs(vlm, ref):
         assert "".join(e.text for e, _ in seen) == out.text
         assert out.metadata["completion_tokens"] == 64
         assert out.text == hf.generate([request])[0].text
+        assert "vLLM scheduler" in session.describe_execution()["batching"]
 
 
 def test_generate_continuous_yields_short_requests_while_a_long_one_streams(vlm):

@@ -363,7 +363,7 @@ class GenbackSession(BaseInferenceSession):
             "backend": self.backend,
             "model_class": type(lm).__name__,
             "device": None if device is None else str(device),
-            "batching": "continuous (genback auto-batcher)",
+            "batching": lm.batching_kind,
             "lm_batch_size": getattr(lm, "batch_size", None),
             "kv_cache": lm.cache_kind,
             "max_length": self.max_length,

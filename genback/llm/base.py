@@ -119,6 +119,12 @@ class AsyncLM(QueueHooks, Decoding):
         AsyncTransformer's KV tree, ``"vLLM prefix cache"``), or None."""
         return getattr(self._runner, "cache_kind", None)
 
+    @property
+    def batching_kind(self) -> str:
+        """Who batches concurrent queries, in words: genback's auto-batcher (one forward for the
+        queries of a batch window), or on AsyncVirtualLM vLLM's own scheduler."""
+        return getattr(self._runner, "batching_kind", "continuous (genback auto-batcher)")
+
     # -- vocabulary -----------------------------------------------------------------------------
 
     def _vocabs(self):

@@ -51,6 +51,7 @@ class VLLMRunner:
     """
 
     cache_kind = "vLLM prefix cache"  # AsyncLM.cache_kind
+    batching_kind = "continuous (vLLM scheduler, one request per query)"  # AsyncLM.batching_kind
 
     def __init__(self, engine: EngineLoop, width: int, use_tap: bool):
         from vllm import SamplingParams
