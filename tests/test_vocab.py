@@ -185,7 +185,7 @@ def _wordpiece():
 
 
 def test_wordpiece_is_refused():
-    with pytest.raises(ValueError, match="neither byte-level BPE nor SentencePiece"):
+    with pytest.raises(ValueError, match="neither ByteLevel nor SentencePiece"):
         decode_vocab(_wordpiece())
 
 
