@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from .adapters import AdapterNames
 from .base import AsyncLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -38,7 +39,7 @@ def _config_overrides(config: dict) -> dict:
     return out
 
 
-class AsyncMlxLM(AsyncLM):
+class AsyncMlxLM(AdapterNames, AsyncLM):
     """Async, auto-batched next-token log-probs from an mlx-lm model, with prefix KV reuse.
 
     Args:
@@ -57,6 +58,12 @@ class AsyncMlxLM(AsyncLM):
 
     Rows are float32 CPU torch tensors ``[V]`` (``V`` = the model's logit width, the length of
     ``byte_vocab``), whatever the model's dtype.
+
+    LoRA: ``add_new_lora(path, name)`` loads an mlx-lm adapter folder (``adapter_config.json`` +
+    ``adapters.safetensors``, as ``mlx_lm.lora`` saves it; see :mod:`genback.runners.mlx_lora`),
+    ``remove_lora(name)`` drops it, and every query method takes ``lora_name=``. KV and rows are
+    kept per adapter. All adapters of one model must wrap the same modules (``num_layers`` and
+    ``keys``; rank and scale may differ); the base model's rows are unchanged by their presence.
 
     Raises:
         ValueError: an option out of range. ImportError: mlx / mlx-lm are not installed.
@@ -105,6 +112,7 @@ class AsyncMlxLM(AsyncLM):
         except BaseException:
             runner.close()
             raise
+        self._init_adapters()
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", dtype: str | None = "float32",
@@ -163,15 +171,24 @@ class AsyncMlxLM(AsyncLM):
         return self._runner.tokens_forwarded
 
     def next_token_logprobs_uncached(self, token_ids, lora_name=None):
-        """Reference: one forward of ``token_ids`` alone, no cache, no batching.
+        """Reference: one forward of ``token_ids`` alone under ``lora_name`` (None: the base
+        model), no cache, no batching.
 
         Returns float32 CPU ``[V]``.
 
         Raises:
-            TypeError / ValueError: bad ``token_ids`` or a ``lora_name`` (no adapters).
+            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name``.
         """
-        self._lora_key(lora_name)
+        adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
         self._check_open()
         with self._forward_lock:
-            return self._runner.uncached_row(ids)
+            return self._runner.uncached_row(ids, adapter)
+
+    # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
+
+    def _load_adapter(self, path: str) -> int:
+        return self._runner.add_adapter(path)
+
+    def _unload_adapter(self, key: int) -> None:
+        self._runner.remove_adapter(key)
