@@ -155,7 +155,7 @@ def _smol_lora(out: Path, smol: Path) -> None:
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02)
     model.peft_config["default"].base_model_name_or_path = SMOL
-    model.save_pretrained(str(out))
+    model.save_pretrained(str(out), save_embedding_layers=False)  # (no Hub lookup of the base)
 
 
 def _gemma_tokenizer(out: Path) -> None:

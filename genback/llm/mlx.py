@@ -90,6 +90,11 @@ class AsyncMlxLM(AdapterNames, AsyncLM):
         if cache_opts:
             raise ValueError(f"cache_opts must be None or empty for genback's row cache, got "
                              f"{cache_opts!r}")
+        import mlx.core as mx
+
+        # a model built lazily on this thread (e.g. fused adapters) is materialised here: MLX
+        # cannot evaluate this thread's pending graphs on the runner's thread
+        mx.eval(mlx_lm_model.parameters())
         self.mlx_lm_model = mlx_lm_model
         self.prefill_step_size = prefill_step_size
         runner = MlxRunner(mlx_lm_model, kv_budget_bytes=kv_budget_bytes,
@@ -186,6 +191,24 @@ class AsyncMlxLM(AdapterNames, AsyncLM):
             return self._runner.uncached_row(ids, adapter)
 
     # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
+
+    def add_new_lora(self, lora_path, lora_name: str) -> None:
+        """Load the mlx-lm LoRA adapter in folder ``lora_path`` under ``lora_name``.
+
+        ``lora_path``: a folder as ``mlx_lm.lora`` saves it (``adapter_config.json`` with
+        ``fine_tune_type: "lora"``, ``num_layers``, ``lora_parameters``; ``adapters.safetensors``),
+        or a Hub id of one in the local Hugging Face cache. Queries pick it with
+        ``lora_name=...``; their KV and rows are kept apart from the base model's and other
+        adapters'. Registering a name again replaces that adapter (its KV and rows are dropped,
+        its pending queries fail with ``ValueError``).
+
+        Raises:
+            TypeError: ``lora_name`` not a str, or ``lora_path`` not a str / path.
+            ValueError: empty ``lora_name``; no adapter at ``lora_path``; not an mlx-lm LoRA
+                adapter (e.g. a peft folder: no ``adapters.safetensors``); a layout (``num_layers``,
+                ``keys``) other than that of the adapters already loaded on this model.
+        """
+        super().add_new_lora(lora_path, lora_name)
 
     def _load_adapter(self, path: str) -> int:
         return self._runner.add_adapter(path)
