@@ -115,7 +115,10 @@ def suite_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("genlm_backend_suite")
     with tarfile.open(_sdist()) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith("genlm_backend-0.3.1/tests/")]
-        tar.extractall(root, members=members, filter="data")
+        try:
+            tar.extractall(root, members=members, filter="data")
+        except TypeError:  # Python without extraction filters (< 3.10.12 / 3.11.4)
+            tar.extractall(root, members=members)
     return root / "genlm_backend-0.3.1" / "tests"
 
 

@@ -12,6 +12,7 @@ import os
 
 from .adapters import AdapterNames
 from .base import AsyncLM
+from .counters import RunnerCounters
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,7 +40,7 @@ def _config_overrides(config: dict) -> dict:
     return out
 
 
-class AsyncMlxLM(AdapterNames, AsyncLM):
+class AsyncMlxLM(RunnerCounters, AdapterNames, AsyncLM):
     """Async, auto-batched next-token log-probs from an mlx-lm model, with prefix KV reuse.
 
     Args:
@@ -165,15 +166,6 @@ class AsyncMlxLM(AdapterNames, AsyncLM):
             model = load_adapters(model, adapter_path)
         model.eval()
         return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
-
-    @property
-    def forwards(self) -> int:
-        """Model forwards run (one per prefill chunk and group of queries)."""
-        return self._runner.forwards
-
-    @property
-    def tokens_forwarded(self) -> int:
-        return self._runner.tokens_forwarded
 
     def next_token_logprobs_uncached(self, token_ids, lora_name=None):
         """Reference: one forward of ``token_ids`` alone under ``lora_name`` (None: the base

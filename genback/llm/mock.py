@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from ..runners.mock import MockRunner
 from .base import AsyncLM
+from .counters import RunnerCounters
 
 
-class MockAsyncLM(AsyncLM):
+class MockAsyncLM(RunnerCounters, AsyncLM):
     """Deterministic fake next-token distributions over ``tokenizer``'s vocabulary.
 
     Args:
@@ -32,10 +33,6 @@ class MockAsyncLM(AsyncLM):
         from ..registry import resolve
 
         return cls(AutoTokenizer.from_pretrained(resolve(model_name)), **kwargs)
-
-    @property
-    def forwards(self) -> int:
-        return self._runner.forwards
 
     def _row(self, tokens):
         return self._runner.row(tuple(tokens))

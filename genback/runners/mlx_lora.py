@@ -101,9 +101,10 @@ class MlxAdapters:
             if set(pair) != {"lora_a", "lora_b"}:
                 raise ValueError(f"lora_path {path!r}: module {module!r} has {sorted(pair)} but "
                                  "needs both lora_a and lora_b")
-            dtype = getattr(self.modules[module].linear, "weight").dtype
-            if not mx.issubdtype(dtype, mx.floating):  # quantized base: the activations' dtype
-                dtype = mx.float16
+            linear = self.modules[module].linear
+            dtype = linear.weight.dtype
+            if not mx.issubdtype(dtype, mx.floating):  # quantized base: its scales' dtype
+                dtype = getattr(linear, "scales", mx.zeros((), mx.float16)).dtype
             a, b = pair["lora_a"].astype(dtype), pair["lora_b"].astype(dtype)
             mx.eval(a, b)
             weights[module] = _Weights(a, b, scale)
