@@ -136,6 +136,13 @@ def test_kv_reuse_is_per_adapter(lm, adapters, refs, contexts):
     base = lm.next_token_logprobs_sync(ctx + [13])  # the base never reads the adapter's KV
     assert lm.tokens_forwarded - before == len(ctx) + 1
     assert torch.equal(base, lm.next_token_logprobs_uncached(ctx + [13]))
+    # cache_kv under the adapter pins its KV through clear_cache
+    lm.cache_kv(contexts[2], lora_name="a")
+    lm.clear_cache()
+    before = lm.tokens_forwarded
+    row = lm.next_token_logprobs_sync(contexts[2] + [13], lora_name="a")
+    assert lm.tokens_forwarded - before == 1
+    assert (row - refs["a"].next_token_logprobs_uncached(contexts[2] + [13])).abs().max() < TOL
     # score and token_logprobs under the adapter: one query, the rows' values
     lp, greedy = asyncio.run(lm.score(ctx, [13, 262], lora_name="a"))
     want = refs["a"].next_token_logprobs_uncached(ctx)[13]
