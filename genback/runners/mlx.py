@@ -1,7 +1,8 @@
 """``MlxRunner``: the runner of ``AsyncMlxLM`` (an mlx-lm model with a prefix KV store).
 
 KV reuse. Every evaluated context leaves its per-layer keys and values (``[1, kv_heads, n,
-head_dim]`` mx arrays) in a store keyed by its token ids. A query reuses the entry that shares the
+head_dim]`` mx arrays) in a store (:mod:`genback.runners.mlx_kv`) keyed by its adapter and token
+ids. A query reuses the entry that shares the
 longest common prefix with it — not only entries that are prefixes of it: mlx-lm's ``KVCache`` is
 trimmable, so the first ``p`` positions of any entry are the KV of its first ``p`` tokens. An entry
 that is a strict prefix of a newer one is therefore redundant and is dropped (a particle extended
@@ -14,6 +15,9 @@ their cached KV is stacked along the batch axis, so positions and masks need no 
 row equals a batch-1 forward. Prefixes that several queries of a batch share but nobody has cached
 are forwarded once first. Models whose caches are not plain ``KVCache`` (sliding windows, state
 space layers) are computed without reuse.
+
+LoRA: queries under different adapters are forwarded apart, each after activating its adapter
+(:mod:`genback.runners.mlx_lora`); the base model's forwards run the original modules only.
 
 All MLX work runs on one dedicated thread (MLX streams are per thread on some devices).
 """
