@@ -2,9 +2,8 @@
 
 KV reuse. Every evaluated context leaves its per-layer keys and values (``[1, kv_heads, n,
 head_dim]`` mx arrays) in a store (:mod:`genback.runners.mlx_kv`) keyed by its adapter and token
-ids. A query reuses the entry that shares the
-longest common prefix with it — not only entries that are prefixes of it: mlx-lm's ``KVCache`` is
-trimmable, so the first ``p`` positions of any entry are the KV of its first ``p`` tokens. An entry
+ids. A query reuses the entry that shares the longest common prefix with it — not only entries
+that are prefixes of it: mlx-lm's ``KVCache`` is trimmable, so the first ``p`` positions of any entry are the KV of its first ``p`` tokens. An entry
 that is a strict prefix of a newer one is therefore redundant and is dropped (a particle extended
 by one token replaces its parent's entry). Stored arrays are never written: a forward gets a fresh
 ``KVCache`` whose arrays are exactly ``p`` long, so its first update allocates new arrays. The
