@@ -306,12 +306,16 @@ def hub_offline_reason(timeout: float = 0.5) -> str | None:
     return outcome[0]
 
 
+#: files one of which a cached repo holds: a model, a tokenizer alone, or a peft adapter
+_REPO_MARKERS = ("config.json", "tokenizer_config.json", "tokenizer.json", "adapter_config.json")
+
+
 def _in_hf_cache(repo_id: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return False
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    return any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in _REPO_MARKERS)
 
 
 def check_hub_id_available(repo_id: str) -> None:

@@ -1,15 +1,14 @@
 """Hub ids load offline from a local Hugging Face cache.
 
 The test builds a cache (``HF_HOME`` in a temp dir) holding genback's converted SmolLM2 under a
-Hub id, laid out as ``huggingface_hub`` lays out downloads (its ``repo_folder_name``; blobs named
-by content hash, snapshot files linking to them, ``refs/main``), checks that ``huggingface_hub``'s
-own cache scanner accepts it, then loads the id in a fresh process with ``HF_HUB_OFFLINE=1``
+Hub id, written by ``huggingface_hub``'s own cache-layout functions (``_hub_standins.add_to_cache``:
+blobs named by content hash, snapshot files linking to them, ``refs/main``), checks that
+``huggingface_hub``'s own cache scanner accepts it, then loads the id in a fresh process with ``HF_HUB_OFFLINE=1``
 (a new user's process: ``HF_HOME`` is read at import, nothing is patched).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -18,42 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hub_standins import _commit, _gpt2_tokenizer_files, add_to_cache
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _add_to_hub_cache(hub_cache: Path, repo_id: str, folder: Path, commit: str) -> None:
-    """Put every file of ``folder`` into ``hub_cache`` as revision ``commit`` (= main) of
-    ``repo_id``: ``blobs/<sha256>`` (hard links when possible) and relative symlinks from
-    ``snapshots/<commit>/<file>``, as ``hf download`` leaves them."""
-    from huggingface_hub.file_download import repo_folder_name
-
-    repo = hub_cache / repo_folder_name(repo_id=repo_id, repo_type="model")
-    (repo / "blobs").mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for src in sorted(folder.iterdir()):
-        if not src.is_file() or src.name.startswith("genback-"):
-            continue
-        blob = repo / "blobs" / _sha256(src)
-        try:
-            os.link(src, blob)
-        except OSError:
-            import shutil
-
-            shutil.copyfile(src, blob)
-        os.symlink(os.path.relpath(blob, snapshot), snapshot / src.name)
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +29,13 @@ def hf_home(tmp_path_factory):
     from genback.registry import resolve
 
     home = tmp_path_factory.mktemp("hf_home")
-    _add_to_hub_cache(home / "hub", HUB_ID, Path(resolve("smollm2-135m")), COMMIT)
+    add_to_cache(home / "hub", HUB_ID, Path(resolve("smollm2-135m")))
     info = scan_cache_dir(home / "hub")  # huggingface_hub's own reading of the cache
     assert not info.warnings
     (repo,) = info.repos
     assert repo.repo_id == HUB_ID and repo.repo_type == "model"
     (revision,) = repo.revisions
-    assert revision.commit_hash == COMMIT and revision.refs == frozenset({"main"})
+    assert revision.commit_hash == _commit(HUB_ID) and revision.refs == frozenset({"main"})
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.file_name for f in revision.files}
     return home
 
@@ -129,3 +95,21 @@ def test_resolve_finds_cached_id_and_rejects_uncached_one(hf_home, monkeypatch):
     assert resolve(HUB_ID) == HUB_ID
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         resolve("HuggingFaceTB/SmolLM2-360M-Instruct")
+
+
+def test_tokenizer_only_repo_resolves_offline(tmp_path, monkeypatch):
+    """A Hub repo holding only a tokenizer (what MockAsyncLM.from_name needs) counts as cached."""
+    from huggingface_hub import constants
+
+    from genback.registry import resolve
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    _gpt2_tokenizer_files(folder)
+    assert not (folder / "config.json").exists()
+    add_to_cache(tmp_path / "hub", "someorg/tokenizer-only", folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve("someorg/tokenizer-only") == "someorg/tokenizer-only"
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        resolve("someorg/absent")

@@ -89,6 +89,32 @@ def test_token_logprobs_match_transformer(mlx_lm, ref, text_ids):
         < SELF_TOL
 
 
+def test_score_matches_transformer(mlx_lm, ref):
+    tok = ref.tokenizer
+    context = tok.encode("The capital of France is")
+    continuation = tok.encode(" Paris, and the capital of Italy is Rome. Berlin is in Germany.")
+    n = len(continuation)
+    logprobs, greedy = asyncio.run(mlx_lm.score(context, continuation))
+    assert logprobs.shape == greedy.shape == (n,)
+    assert logprobs.dtype == torch.float32 and greedy.dtype == torch.bool
+    want_lp, want_greedy = asyncio.run(ref.score(context, continuation))
+    assert (logprobs - want_lp).abs().max().item() < CROSS_TOL
+    # the greedy flags agree wherever the top token leads the runner-up clearly
+    rows = torch.stack([ref.next_token_logprobs_uncached(context + continuation[:j])
+                        for j in range(n)])  # [n, V]
+    top2 = rows.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-2
+    assert clear.sum() >= n - 1
+    assert torch.equal(greedy[clear], want_greedy[clear])
+    assert greedy[0] and not greedy.all()  # " Paris" is the greedy choice; not every token is
+    # one query: the same log-probs as token_logprobs, and the flags are the rows' argmaxes
+    assert (logprobs - asyncio.run(mlx_lm.token_logprobs(context, continuation))).abs().max() \
+        < SELF_TOL
+    own_rows = [mlx_lm.next_token_logprobs_sync(context + continuation[:j]) for j in range(n)]
+    argmax = torch.tensor([int(r.argmax()) for r in own_rows])
+    assert torch.equal(greedy, argmax == torch.tensor(continuation))
+
+
 def test_seeded_sampling_matches_transformer(mlx_lm, ref):
     prompt = mlx_lm.tokenizer.encode("An apple a day keeps the")
     eos = [mlx_lm.tokenizer.eos_token_id]

@@ -185,7 +185,7 @@ def _wordpiece():
 
 
 def test_wordpiece_is_refused():
-    with pytest.raises(ValueError, match="neither byte-level BPE nor SentencePiece"):
+    with pytest.raises(ValueError, match="neither ByteLevel nor SentencePiece"):
         decode_vocab(_wordpiece())
 
 
@@ -209,3 +209,26 @@ def test_object_without_vocabulary_is_refused():
 
     with pytest.raises(ValueError, match="cannot be recovered"):
         get_byte_vocab(Weird())
+
+
+def test_decode_vocab_error_says_it_could_not_decode():
+    from genback.tokenization import ByteVocabError
+
+    with pytest.raises(ByteVocabError, match="Could not decode byte representation"):
+        decode_vocab(_wordpiece())
+
+
+def test_check_byte_decoder(gpt2):
+    from genback.tokenization.vocab import ByteDecoderError, check_byte_decoder
+
+    _, tok, _ = gpt2
+    table = {c: b for b, c in bytes_to_unicode().items()}
+    assert check_byte_decoder(tok, table) is None  # GPT-2's own table decodes its vocabulary
+    with pytest.raises(ByteDecoderError, match="not a byte"):
+        check_byte_decoder(tok, {**table, "a": 999})
+    with pytest.raises(ByteDecoderError, match="missing from byte_decoder"):
+        check_byte_decoder(tok, {})
+    with pytest.raises(ByteDecoderError, match="disagree"):  # two characters swapped
+        check_byte_decoder(tok, {**table, "a": table["b"], "b": table["a"]})
+    with pytest.raises(TypeError, match="byte_decoder"):
+        check_byte_decoder(tok, [("a", 97)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from .adapters import AdapterNames
 from .base import AsyncLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -38,7 +39,7 @@ def _config_overrides(config: dict) -> dict:
     return out
 
 
-class AsyncMlxLM(AsyncLM):
+class AsyncMlxLM(AdapterNames, AsyncLM):
     """Async, auto-batched next-token log-probs from an mlx-lm model, with prefix KV reuse.
 
     Args:
@@ -57,6 +58,12 @@ class AsyncMlxLM(AsyncLM):
 
     Rows are float32 CPU torch tensors ``[V]`` (``V`` = the model's logit width, the length of
     ``byte_vocab``), whatever the model's dtype.
+
+    LoRA: ``add_new_lora(path, name)`` loads an mlx-lm adapter folder (``adapter_config.json`` +
+    ``adapters.safetensors``, as ``mlx_lm.lora`` saves it; see :mod:`genback.runners.mlx_lora`),
+    ``remove_lora(name)`` drops it, and every query method takes ``lora_name=``. KV and rows are
+    kept per adapter. All adapters of one model must wrap the same modules (``num_layers`` and
+    ``keys``; rank and scale may differ); the base model's rows are unchanged by their presence.
 
     Raises:
         ValueError: an option out of range. ImportError: mlx / mlx-lm are not installed.
@@ -83,6 +90,11 @@ class AsyncMlxLM(AsyncLM):
         if cache_opts:
             raise ValueError(f"cache_opts must be None or empty for genback's row cache, got "
                              f"{cache_opts!r}")
+        import mlx.core as mx
+
+        # a model built lazily on this thread (e.g. fused adapters) is materialised here: MLX
+        # cannot evaluate this thread's pending graphs on the runner's thread
+        mx.eval(mlx_lm_model.parameters())
         self.mlx_lm_model = mlx_lm_model
         self.prefill_step_size = prefill_step_size
         runner = MlxRunner(mlx_lm_model, kv_budget_bytes=kv_budget_bytes,
@@ -105,6 +117,7 @@ class AsyncMlxLM(AsyncLM):
         except BaseException:
             runner.close()
             raise
+        self._init_adapters()
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", dtype: str | None = "float32",
@@ -153,25 +166,43 @@ class AsyncMlxLM(AsyncLM):
         model.eval()
         return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
 
-    @property
-    def forwards(self) -> int:
-        """Model forwards run (one per prefill chunk and group of queries)."""
-        return self._runner.forwards
-
-    @property
-    def tokens_forwarded(self) -> int:
-        return self._runner.tokens_forwarded
-
     def next_token_logprobs_uncached(self, token_ids, lora_name=None):
-        """Reference: one forward of ``token_ids`` alone, no cache, no batching.
+        """Reference: one forward of ``token_ids`` alone under ``lora_name`` (None: the base
+        model), no cache, no batching.
 
         Returns float32 CPU ``[V]``.
 
         Raises:
-            TypeError / ValueError: bad ``token_ids`` or a ``lora_name`` (no adapters).
+            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name``.
         """
-        self._lora_key(lora_name)
+        adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
         self._check_open()
         with self._forward_lock:
-            return self._runner.uncached_row(ids)
+            return self._runner.uncached_row(ids, adapter)
+
+    # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
+
+    def add_new_lora(self, lora_path, lora_name: str) -> None:
+        """Load the mlx-lm LoRA adapter in folder ``lora_path`` under ``lora_name``.
+
+        ``lora_path``: a folder as ``mlx_lm.lora`` saves it (``adapter_config.json`` with
+        ``fine_tune_type: "lora"``, ``num_layers``, ``lora_parameters``; ``adapters.safetensors``),
+        or a Hub id of one in the local Hugging Face cache. Queries pick it with
+        ``lora_name=...``; their KV and rows are kept apart from the base model's and other
+        adapters'. Registering a name again replaces that adapter (its KV and rows are dropped,
+        its pending queries fail with ``ValueError``).
+
+        Raises:
+            TypeError: ``lora_name`` not a str, or ``lora_path`` not a str / path.
+            ValueError: empty ``lora_name``; no adapter at ``lora_path``; not an mlx-lm LoRA
+                adapter (e.g. a peft folder: no ``adapters.safetensors``); a layout (``num_layers``,
+                ``keys``) other than that of the adapters already loaded on this model.
+        """
+        super().add_new_lora(lora_path, lora_name)
+
+    def _load_adapter(self, path: str) -> int:
+        return self._runner.add_adapter(path)
+
+    def _unload_adapter(self, key: int) -> None:
+        self._runner.remove_adapter(key)

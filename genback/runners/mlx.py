@@ -1,9 +1,9 @@
 """``MlxRunner``: the runner of ``AsyncMlxLM`` (an mlx-lm model with a prefix KV store).
 
 KV reuse. Every evaluated context leaves its per-layer keys and values (``[1, kv_heads, n,
-head_dim]`` mx arrays) in a store keyed by its token ids. A query reuses the entry that shares the
-longest common prefix with it — not only entries that are prefixes of it: mlx-lm's ``KVCache`` is
-trimmable, so the first ``p`` positions of any entry are the KV of its first ``p`` tokens. An entry
+head_dim]`` mx arrays) in a store (:mod:`genback.runners.mlx_kv`) keyed by its adapter and token
+ids. A query reuses the entry that shares the longest common prefix with it — not only entries
+that are prefixes of it: mlx-lm's ``KVCache`` is trimmable, so the first ``p`` positions of any entry are the KV of its first ``p`` tokens. An entry
 that is a strict prefix of a newer one is therefore redundant and is dropped (a particle extended
 by one token replaces its parent's entry). Stored arrays are never written: a forward gets a fresh
 ``KVCache`` whose arrays are exactly ``p`` long, so its first update allocates new arrays. The
@@ -15,12 +15,14 @@ row equals a batch-1 forward. Prefixes that several queries of a batch share but
 are forwarded once first. Models whose caches are not plain ``KVCache`` (sliding windows, state
 space layers) are computed without reuse.
 
+LoRA: queries under different adapters are forwarded apart, each after activating its adapter
+(:mod:`genback.runners.mlx_lora`); the base model's forwards run the original modules only.
+
 All MLX work runs on one dedicated thread (MLX streams are per thread on some devices).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -28,15 +30,7 @@ import numpy as np
 import torch
 
 from ..query import Query
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two 1-D int arrays."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+from .mlx_kv import PrefixKV, _lcp
 
 
 def _log_softmax(logits) -> torch.Tensor:
@@ -53,76 +47,6 @@ def _cache_arrays(cache: list) -> list:
     from mlx.utils import tree_flatten
 
     return [x for c in cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
-
-
-class _Entry:
-    __slots__ = ("tokens", "ids", "layers", "nbytes", "pinned")
-
-    def __init__(self, tokens: tuple[int, ...], layers: list, nbytes: int):
-        self.tokens = tokens
-        self.ids = np.asarray(tokens, dtype=np.int64)
-        self.layers = layers  # per layer (keys, values): mx [1, kv_heads, len(tokens), head_dim]
-        self.nbytes = nbytes
-        self.pinned = False
-
-
-class PrefixKV:
-    """LRU store of per-context KV, bounded by ``budget_bytes`` (pinned entries never evicted)."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self.entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
-        self.bytes_held = 0
-        self.evictions = 0
-
-    def match(self, ids: np.ndarray, limit: int) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest prefix with ``ids`` and that length, capped at ``limit``."""
-        best, best_len = None, 0
-        for entry in self.entries.values():
-            n = _lcp(entry.ids, ids)
-            if n > best_len:
-                best, best_len = entry, n
-                if n >= limit:
-                    break
-        return best, min(best_len, limit)
-
-    def put(self, tokens: tuple[int, ...], layers: list, nbytes: int) -> _Entry:
-        old = self.entries.pop(tokens, None)
-        if old is not None:
-            self.bytes_held -= old.nbytes
-        entry = _Entry(tokens, layers, nbytes)
-        entry.pinned = old is not None and old.pinned
-        for other in list(self.entries.values()):  # strict prefixes are served by the new entry
-            if not other.pinned and len(other.tokens) < len(tokens) and \
-                    _lcp(other.ids, entry.ids) == len(other.tokens):
-                self._drop(other)
-        self.entries[tokens] = entry
-        self.bytes_held += nbytes
-        return entry
-
-    def touch(self, entry: _Entry) -> None:
-        if entry.tokens in self.entries:
-            self.entries.move_to_end(entry.tokens)
-
-    def _drop(self, entry: _Entry) -> None:
-        del self.entries[entry.tokens]
-        self.bytes_held -= entry.nbytes
-
-    def evict(self) -> None:
-        for entry in list(self.entries.values()):
-            if self.bytes_held <= self.budget_bytes:
-                return
-            if not entry.pinned:
-                self._drop(entry)
-                self.evictions += 1
-
-    def pinned_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values() if e.pinned)
-
-    def clear(self, keep_pinned: bool) -> None:
-        for entry in list(self.entries.values()):
-            if not (keep_pinned and entry.pinned):
-                self._drop(entry)
 
 
 class MlxRunner:
@@ -151,6 +75,7 @@ class MlxRunner:
         self.max_batch_tokens = max_batch_tokens
         self.prefill_step_size = prefill_step_size
         self.store = PrefixKV(kv_budget_bytes)
+        self.adapters = None  # MlxAdapters, made when the first adapter is added
         self.forwards = 0
         self.tokens_forwarded = 0
         self.tokens_reused = 0
@@ -214,23 +139,54 @@ class MlxRunner:
     def clear(self, keep_pinned: bool) -> None:
         self.store.clear(keep_pinned)
 
-    def pin(self, tokens: tuple[int, ...]) -> None:
+    def add_adapter(self, path: str) -> int:
+        """Load the mlx-lm LoRA adapter in folder ``path``; return its key (see
+        :mod:`genback.runners.mlx_lora`). Raises ValueError for an adapter that does not fit."""
+        return self._on_thread(self._add_adapter, path)
+
+    def _add_adapter(self, path: str) -> int:
+        from .mlx_lora import MlxAdapters
+
+        if self.adapters is None:
+            self.adapters = MlxAdapters(self.model)
+        wrapped = self.adapters.layout is not None
+        key = self.adapters.add(path)
+        if not wrapped:  # modules were just wrapped: find the (possibly wrapped) head again
+            self._activate(None)
+            self._head = self._probe()[2]
+        return key
+
+    def remove_adapter(self, key: int) -> None:
+        """Free adapter ``key`` and every KV entry computed under it."""
+        self._on_thread(self._remove_adapter, key)
+
+    def _remove_adapter(self, key: int) -> None:
+        self.store.drop_adapter(key)
+        if self.adapters is not None:
+            self.adapters.remove(key)
+
+    def _activate(self, adapter: int | None) -> None:
+        if self.adapters is not None:
+            self.adapters.activate(adapter)
+
+    def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
         """Compute the KV of ``tokens`` and keep it until ``clear(keep_pinned=False)``.
 
         Raises:
             ValueError: the prompt's KV, with what is pinned already, exceeds the KV budget.
         """
-        self._on_thread(self._pin, tokens)
+        self._on_thread(self._pin, tokens, adapter)
 
-    def uncached_row(self, tokens: tuple[int, ...]) -> torch.Tensor:
-        """Reference: one fresh forward of ``tokens`` alone (no store, no batching, no chunks);
-        float32 CPU ``[V]``."""
-        return self._on_thread(self._uncached_row, tokens)
+    def uncached_row(self, tokens: tuple[int, ...], adapter: int | None = None) -> torch.Tensor:
+        """Reference: one fresh forward of ``tokens`` alone (no store, no batching, no chunks)
+        under ``adapter`` (None: the base model); float32 CPU ``[V]``."""
+        return self._on_thread(self._uncached_row, tokens, adapter)
 
-    def _uncached_row(self, tokens: tuple[int, ...]) -> torch.Tensor:
+    def _uncached_row(self, tokens: tuple[int, ...], adapter: int | None) -> torch.Tensor:
         import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
+        self._activate(adapter)
         logits = self.model(mx.array([list(tokens)], dtype=mx.int32),
                             cache=make_prompt_cache(self.model))[0, -1].astype(mx.float32)
         return _log_softmax(logits)
@@ -241,11 +197,11 @@ class MlxRunner:
 
     # -- planning -------------------------------------------------------------------------------------
 
-    def _pin(self, tokens: tuple[int, ...]) -> None:
+    def _pin(self, tokens: tuple[int, ...], adapter: int | None) -> None:
         if not self.reuse:
-            self._run([Query(tokens, ())])
+            self._run([Query(tokens, (), adapter)])
             return
-        existing = self.store.entries.get(tokens)
+        existing = self.store.entries.get((adapter, tokens))
         if existing is None or not existing.pinned:
             need = len(tokens) * self._token_bytes()
             pinned = self.store.pinned_bytes()
@@ -254,54 +210,62 @@ class MlxRunner:
                     f"prompt_tokens ({len(tokens)} tokens) need {need:,} bytes of KV; with "
                     f"{pinned:,} bytes pinned already that exceeds kv_budget_bytes="
                     f"{self.store.budget_bytes:,}: raise the budget or pin a shorter prompt")
-        self._run([Query(tokens, ())])
-        entry = self.store.entries.get(tokens)
+        self._run([Query(tokens, (), adapter)])
+        entry = self.store.entries.get((adapter, tokens))
         if entry is None:  # covered by a longer entry: keep its first len(tokens) positions
-            source, n = self.store.match(np.asarray(tokens, dtype=np.int64), len(tokens))
+            source, n = self.store.match(np.asarray(tokens, dtype=np.int64), len(tokens), adapter)
             assert source is not None and n == len(tokens)
             layers = [(k[:, :, :n, :], v[:, :, :n, :]) for k, v in source.layers]
-            entry = self.store.put(tokens, layers, self._nbytes(layers))
+            entry = self.store.put(tokens, layers, self._nbytes(layers), adapter)
         entry.pinned = True
         self.store.evict()
 
     def _run_all(self, queries: list[Query]) -> list:
         if self.reuse and len(queries) > 1:
             for level in self._shared_prefixes(queries):
-                self._run([Query(prefix, ()) for prefix in level])
+                self._run([Query(prefix, (), adapter) for adapter, prefix in level])
         results = self._run(queries)
         self.store.evict()
         return results
 
-    def _shared_prefixes(self, queries: list[Query]) -> list[list[tuple[int, ...]]]:
-        """Uncached prefixes shared by two or more queries, grouped by length (shortest first)."""
-        order = sorted(range(len(queries)), key=lambda i: queries[i].tokens)
+    def _shared_prefixes(self, queries: list[Query]) -> list[list[tuple]]:
+        """Uncached prefixes shared by two or more queries of one adapter, as ``(adapter,
+        prefix)``, grouped by length (shortest first)."""
+        order = sorted(range(len(queries)),
+                       key=lambda i: (queries[i].adapter or 0, queries[i].tokens))
         ids = {i: np.asarray(queries[i].tokens, dtype=np.int64) for i in order}
-        cached = {i: self.store.match(ids[i], len(queries[i].tokens))[1] for i in order}
-        found: set[tuple[int, ...]] = set()
+        cached = {i: self.store.match(ids[i], len(queries[i].tokens), queries[i].adapter)[1]
+                  for i in order}
+        found: set[tuple] = set()
         for a, b in zip(order, order[1:]):
             qa, qb = queries[a], queries[b]
+            if qa.adapter != qb.adapter:
+                continue
             n = min(_lcp(ids[a], ids[b]), len(qa.tokens) - qa.n_outputs,
                     len(qb.tokens) - qb.n_outputs)
             if n > max(cached[a], cached[b]) + 1:
-                found.add(qa.tokens[:n])
+                found.add((qa.adapter, qa.tokens[:n]))
         by_len: dict[int, list] = {}
-        for prefix in found:
-            by_len.setdefault(len(prefix), []).append(prefix)
+        for adapter, prefix in found:
+            by_len.setdefault(len(prefix), []).append((adapter, prefix))
         return [by_len[n] for n in sorted(by_len)]
 
     def _run(self, queries: list[Query]) -> list:
         """Match every query against the store, group, forward, store; results in order."""
         results: list = [None] * len(queries)
-        groups: dict[tuple[int, int, int], list] = {}
+        groups: dict[tuple, list] = {}
         for i, q in enumerate(queries):
             limit = len(q.tokens) - q.n_outputs
-            entry, p = (self.store.match(np.asarray(q.tokens, dtype=np.int64), limit)
+            entry, p = (self.store.match(np.asarray(q.tokens, dtype=np.int64), limit, q.adapter)
                         if self.reuse else (None, 0))
             if q.n_outputs == 0 and p == len(q.tokens):
                 self.store.touch(entry)
                 continue  # KV-only query already cached
-            groups.setdefault((p, len(q.tokens), q.n_outputs), []).append((i, q, entry))
-        for (p, length, n_out), members in sorted(groups.items(), key=lambda kv: kv[0][1]):
+            key = (q.adapter or 0, p, len(q.tokens), q.n_outputs)
+            groups.setdefault(key, []).append((i, q, entry))
+        for (_, p, length, n_out), members in sorted(groups.items(),
+                                                      key=lambda kv: kv[0][::2]):
+            self._activate(members[0][1].adapter)
             rows_per_forward = max(1, self.max_batch_tokens // max(1, min(
                 length - p, self.prefill_step_size)))
             for start in range(0, len(members), rows_per_forward):
@@ -386,12 +350,14 @@ class MlxRunner:
             for b, q in enumerate(queries):
                 layers = [(c.keys[b:b + 1, :, :length, :], c.values[b:b + 1, :, :length, :])
                           for c in cache]
-                self.store.put(q.tokens, layers, self._nbytes(layers))
+                self.store.put(q.tokens, layers, self._nbytes(layers), q.adapter)
         if n_out == 0:
             return [None] * len(queries)
         logp = torch.cat(pieces, dim=1)  # [B, n_out (rows: 1), V]
         if queries[0].targets is None:
             return [logp[b, -1].clone() for b in range(len(queries))]
         targets = torch.tensor([q.targets for q in queries], dtype=torch.long)  # [B, n_out]
-        values = logp.gather(-1, targets[..., None])[..., 0]
-        return [values[b].clone() for b in range(len(queries))]
+        values = logp.gather(-1, targets[..., None])[..., 0]  # [B, n_out]
+        greedy = logp.argmax(-1) == targets  # [B, n_out] bool: scoring requests' flags
+        return [(values[b].clone(), greedy[b].clone()) if q.greedy else values[b].clone()
+                for b, q in enumerate(queries)]

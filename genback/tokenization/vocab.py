@@ -35,7 +35,7 @@ from functools import lru_cache
 from .token import Token
 
 __all__ = ["decode_vocab", "get_byte_vocab", "bytes_to_unicode", "PAD_TEMPLATE", "ByteVocabError",
-           "ByteDecoderError"]
+           "ByteDecoderError", "check_byte_decoder"]
 
 #: Placeholder bytes for ids the tokenizer does not define (``PAD_TEMPLATE % token_id``).
 PAD_TEMPLATE = b"<|genback_pad_%d|>"
@@ -77,23 +77,34 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 def _tokenizer_json(tokenizer) -> dict | None:
-    """Decoder, pre-tokenizer and model settings of a fast tokenizer (without the vocabulary)."""
+    """Decoder, pre-tokenizer and model settings of a fast tokenizer (without the vocabulary).
+
+    Each component is read alone (cheap); only when one cannot be read that way is the whole
+    tokenizer serialised (``backend_tokenizer.to_str()``, seconds for a 262k vocabulary)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
     spec: dict = {}
     for key in ("decoder", "pre_tokenizer"):
         component = getattr(backend, key, None)
-        try:
-            spec[key] = json.loads(component.__getstate__()) if component is not None else None
-        except Exception:  # pragma: no cover - exotic components
-            spec[key] = None
+        state = component.__getstate__() if component is not None else "null"
+        if not isinstance(state, (str, bytes)):
+            return _tokenizer_json_whole(backend)
+        spec[key] = json.loads(state)
     model = backend.model
     spec["model"] = {
         "type": type(model).__name__,
         "byte_fallback": bool(getattr(model, "byte_fallback", False)),
     }
     return spec
+
+
+def _tokenizer_json_whole(backend) -> dict:
+    text = backend.to_str()
+    full = json.loads(text) if isinstance(text, (str, bytes)) else {}
+    model = full.get("model") or {}
+    return {"decoder": full.get("decoder"), "pre_tokenizer": full.get("pre_tokenizer"),
+            "model": {"type": model.get("type"), "byte_fallback": bool(model.get("byte_fallback"))}}
 
 
 def _components(node) -> list[dict]:
@@ -127,7 +138,7 @@ def _detect_family(tokenizer, spec: dict | None) -> str:
             "decode_vocab: cannot recover token bytes for tokenizer "
             f"{getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)!r}: model "
             f"{model.get('type')!r} with decoder/pre-tokenizer types {sorted(t for t in types if t)} "
-            "is neither byte-level BPE nor SentencePiece-style"
+            "is neither ByteLevel nor SentencePiece (byte-level BPE or SentencePiece-style)"
         )
     if getattr(tokenizer, "byte_decoder", None) is not None:
         return "byte_level"
@@ -197,6 +208,37 @@ def _check_against_decoder(tokenizer, vocab: list[bytes | None], added: dict[int
             f"decode_vocab: recovered bytes disagree with the tokenizer's decoder for {len(bad)} of "
             f"{len(ids)} checked tokens, e.g. (id, expected, decoded) {bad[:3]}"
         )
+
+
+def check_byte_decoder(tokenizer, byte_decoder: dict) -> None:
+    """Check that ``byte_decoder`` (token character -> byte) decodes ``tokenizer``'s tokens.
+
+    ``byte_decoder`` is a byte-level BPE table such as GPT-2's (``{"Ġ": 32, "a": 97, ...}``;
+    :func:`bytes_to_unicode` inverted). Every character of every ordinary (non-added) token must
+    map to an int byte 0..255, and the bytes so recovered must agree with the tokenizer's own
+    decoder on a sample of tokens. Returns None when it does.
+
+    Raises:
+        TypeError: ``byte_decoder`` is not a dict.
+        ByteDecoderError (a ``ValueError``): a value that is not a byte, a token character
+            missing from the table, or a disagreement with the tokenizer's decoder.
+    """
+    if not isinstance(byte_decoder, dict):
+        raise TypeError(f"check_byte_decoder: byte_decoder must be a dict, got "
+                        f"{type(byte_decoder).__name__}")
+    for c, b in byte_decoder.items():
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 255:
+            raise ByteDecoderError(f"check_byte_decoder: byte_decoder[{c!r}] = {b!r} is not a "
+                                   "byte (an int 0..255)")
+    ordinary, added = _id_to_string(tokenizer)
+    vocab: list[bytes | None] = [None] * (max([*ordinary, *added], default=-1) + 1)
+    for i, s in ordinary.items():
+        missing = next((c for c in s if c not in byte_decoder), None)
+        if missing is not None:
+            raise ByteDecoderError(f"check_byte_decoder: token {i} {s!r} has character "
+                                   f"{missing!r} (U+{ord(missing):04X}) missing from byte_decoder")
+        vocab[i] = bytes(byte_decoder[c] for c in s)
+    _check_against_decoder(tokenizer, vocab, added)
 
 
 def get_byte_vocab(tokenizer, vocab_size: int | None = None) -> list[bytes]:
@@ -270,7 +312,12 @@ def decode_vocab(tokenizer, byte2str_fallback: str = "tokenizer", vocab_size: in
         raise ValueError(
             f"decode_vocab: byte2str_fallback must be one of {_FALLBACKS}, got {byte2str_fallback!r}"
         )
-    raw = get_byte_vocab(tokenizer, vocab_size=vocab_size)
+    try:
+        raw = get_byte_vocab(tokenizer, vocab_size=vocab_size)
+    except ByteVocabError as exc:
+        name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
+        raise ByteVocabError(f"Could not decode byte representation of tokenizer {name!r}: "
+                             f"{exc}") from exc
     byte_vocab = [Token(i, b) for i, b in enumerate(raw)]
     str_vocab = []
     for i, b in enumerate(raw):
