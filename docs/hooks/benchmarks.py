@@ -156,7 +156,16 @@ def parse_scale(all_sections):
             "rows": list(cells.values())}
 
 
-PARSERS = {"smc": parse_smc, "scale": parse_scale, "trie": parse_trie, "mc": parse_mc, "clients": parse_clients, "vllm": parse_vllm}
+def parse_mixes(all_sections):
+    table = _last_table(_section(all_sections, "Evaluation request mixes"), "request mix")
+    hf, gb = _column(table, "hflm s"), _column(table, "genback s")
+    return {"title": "Evaluation request mixes: genback's lm-eval model vs HFLM(batch_size=16)",
+            "rows": [{"mix": label(r[0]).split(",")[0], "genback_s": number(r[gb]),
+                      "hflm_s": number(r[hf])} for r in table[1:]]}
+
+
+PARSERS = {"smc": parse_smc, "scale": parse_scale, "trie": parse_trie, "mc": parse_mc,
+           "mixes": parse_mixes, "clients": parse_clients, "vllm": parse_vllm}
 
 
 def parse(text: str) -> tuple[dict, dict]:
@@ -214,6 +223,11 @@ def plot(key: str, entry: dict) -> bytes:
             names = ("genback", "hand-written KV loop (missing: its KV cannot fit in 24 GiB)")
             unit = "wall time of the queries, s (lower is better; log scale)"
             ax.set_xscale("log")
+        elif key == "mixes":
+            groups = [r["mix"] for r in rows]
+            a = [r["genback_s"] or 0 for r in rows]
+            b = [r["hflm_s"] or 0 for r in rows]
+            names, unit = ("genback", "lm-eval HFLM"), "wall time, s (lower is better)"
         else:
             groups = [r["program"] for r in rows]
             a = [r["genback_s"] or 0 for r in rows]
