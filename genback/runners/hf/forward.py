@@ -90,15 +90,18 @@ def _results(rows: list[Row], logits: torch.Tensor) -> None:
     if tgt_at:
         idx = torch.tensor(tgt_at, device=dev)
         tgt = torch.tensor(targets, device=dev)
+        # argmax flags only when a scoring row asks for them (not for rolling / token_logprobs)
+        greedy = any(r.query.greedy for r in rows if r.query.targets)
         lps, flags = [], []
         for s in range(0, len(tgt_at), _SLICE):
             part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
             want = tgt[s:s + _SLICE, None]
-            flags.append(part.argmax(dim=-1) == want[:, 0])
+            if greedy:
+                flags.append(part.argmax(dim=-1) == want[:, 0])
             # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
             lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
         lps = torch.cat(lps).cpu()
-        flags = torch.cat(flags).cpu()
+        flags = torch.cat(flags).cpu() if greedy else None
     if picks:  # decoding steps: chosen on the device
         at = torch.tensor([k for k, r in zip(row_at, row_rows) if r.query.pick is not None],
                           device=dev)
