@@ -276,9 +276,9 @@ def test_adapter_by_hub_id_from_local_cache(lm, adapters, merged, ids, tmp_path,
     from pathlib import Path
 
     from huggingface_hub import constants
-    from test_hub_cache import COMMIT, _add_to_hub_cache
+    from _hub_standins import add_to_cache
 
-    _add_to_hub_cache(tmp_path / "hub", "someorg/smol-lora-a", Path(adapters["a"]), COMMIT)
+    add_to_cache(tmp_path / "hub", "someorg/smol-lora-a", Path(adapters["a"]))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     lm.add_new_lora("someorg/smol-lora-a", "from-hub")
