@@ -272,9 +272,11 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
         Closing the iterator or cancelling its consumer aborts the vLLM request.
 
         Raises:
-            as :meth:`AsyncLM.generate_stream`; also ValueError when the prompt plus
-            ``max_new_tokens`` exceed the engine's ``max_model_len``, and RuntimeError when the
-            engine fails the request (ValueError when its adapter is removed meanwhile).
+            ValueError: as :meth:`AsyncLM.generate_stream`; also when the prompt plus
+                ``max_new_tokens`` exceed the engine's ``max_model_len``, or when the
+                request's adapter is removed meanwhile.
+            TypeError: as :meth:`AsyncLM.generate_stream`.
+            RuntimeError: the engine fails the request.
         """
         prompt, enders = self._check_generation(prompt_token_ids, params, max_new_tokens,
                                                 eos_token_ids, min_new_tokens, stop_token_ids)
