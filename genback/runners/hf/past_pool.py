@@ -75,8 +75,9 @@ class PastPool:
     def _rebuild(self, columns: int) -> None:
         # column 0 stays zero: the left padding of shorter pasts reads it (masked anyway)
         capacity = max(64, 2 * columns + 1)
-        self.store = torch.zeros((self.layers, 2, self.heads, capacity, self.dim),
+        self.store = torch.empty((self.layers, 2, self.heads, capacity, self.dim),
                                  dtype=self.dtype, device=self.device)
+        self.store[:, :, :, 0].zero_()  # (the rest is written before it is read)
         self.used, self._where = 1, {}
         self.rebuilds += 1
 
