@@ -285,3 +285,17 @@ def test_match_probes_do_not_reorder_the_lru():
     assert list(tree._lru) == order
     tree.match((1, 2))
     assert list(tree._lru) != order
+
+
+def test_model_without_a_kv_cache_is_a_clear_type_error(gpt2_tok):
+    """A state-space model (a random 2-layer Mamba2) returns no key/value cache: AsyncTransformer
+    refuses it with a TypeError naming the model class, not an AttributeError from inside."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Mamba2Config(vocab_size=len(gpt2_tok), hidden_size=64, num_hidden_layers=2,
+                          num_heads=8, head_dim=16, state_size=16, expand=2, n_groups=1,
+                          chunk_size=32)
+    model = Mamba2ForCausalLM(config).eval()
+    with pytest.raises(TypeError, match="Mamba2ForCausalLM returns none"):
+        AsyncTransformer(model, gpt2_tok)

@@ -137,7 +137,12 @@ class HFRunner:
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device),
                              use_cache=True)
-        layers = out.past_key_values.layers
+        layers = getattr(getattr(out, "past_key_values", None), "layers", None)
+        if not layers or getattr(layers[0], "keys", None) is None:
+            raise TypeError(
+                f"AsyncTransformer needs a causal LM whose forward returns a key/value cache "
+                f"(attention layers); {type(self.model).__name__} returns none (state-space "
+                f"models such as Mamba have no KV to reuse; AsyncMlxLM serves them)")
         k = layers[0].keys
         return len(layers), k.shape[1], k.shape[3], k.dtype, k.device
 
