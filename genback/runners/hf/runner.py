@@ -195,8 +195,10 @@ class HFRunner:
             ValueError: not even one output position fits in ``max_forward_bytes``.
         """
         L, n_out = len(q.tokens), q.n_outputs
-        cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter)[1]
         limit = self.max_forward_bytes
+        if self._working_set(L, L, n_out) <= limit:  # fits even with nothing cached
+            return None
+        cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter)[1]
         if self._working_set(L - cached, L, n_out) <= limit:
             return None
         per_position = self._working_set(1, L, 1)
