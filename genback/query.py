@@ -1,49 +1,131 @@
-"""``Query``: one question a batch asks a backend runner."""
+"""The kinds of question a batch asks a backend runner, each with its result type.
+
+===================  ===========================================  ==================================
+kind                 asks                                          result
+===================  ===========================================  ==================================
+:class:`NextToken`   the next-token distribution after ``tokens``  float32 ``[V]`` log-probs
+:class:`Score`       log-probs of ``targets``, the continuation   float32 ``[n]``; with ``greedy``
+                     after ``tokens[:-n+1]``                       also bool ``[n]`` argmax flags
+:class:`Prefill`     only the KV of ``tokens`` (kept by runners    None
+                     with a KV cache)
+:class:`Step`        a decoding step: a token chosen after         :class:`~genback.sampling.Choice`
+                     ``tokens`` on the model's device
+===================  ===========================================  ==================================
+
+Every kind has ``tokens`` (a tuple of ints), ``adapter`` (None for the base model, else the runner's
+key of a LoRA adapter: the same tokens under two adapters are two different queries) and
+``n_outputs`` (how many positions' logits it needs: the last ``n_outputs`` positions of
+``tokens``). Runners dispatch on the kind once (``match``/``isinstance``).
+
+Queries are immutable and hashable; the hash of ``tokens`` (work proportional to the context, in C)
+is computed once per query and kept, so the output cache, the batcher and the runner's maps never
+hash a context again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .sampling import Pick
 
 
-@dataclass(frozen=True)
 class Query:
-    """One question to the model.
+    """Base of the query kinds: ``tokens`` (tuple of ints) and ``adapter`` (None or an int key).
 
-    ``targets is None``: the next-token log-prob row after ``tokens`` (float32 ``[V]``).
-    Otherwise: the log-probs of ``targets`` at the last ``len(targets)`` positions of
-    ``tokens + targets[-1:]``, i.e. ``tokens = context + continuation[:-1]`` and
-    ``targets = continuation`` (float32 ``[len(targets)]``). ``targets == ()``: only compute and
-    keep the KV of ``tokens`` (runners with a KV cache; the result is None).
-
-    ``greedy=True`` (with non-empty ``targets``): the result is the pair ``(logprobs float32
-    [n], is_greedy bool [n])``, ``is_greedy[i]`` telling whether ``targets[i]`` is the argmax of
-    its position's logits, both from the same forward (a scoring request).
-
-    ``pick`` (with ``targets is None``): a decoding step: the result is the
-    :class:`~genback.sampling.Choice` that :func:`genback.sampling.choose` makes from the logits
-    after ``tokens``, on the model's device (only the token and the asked-for log-probs leave
-    it). Runners that answer such queries have ``picks = True``.
-
-    ``adapter``: None for the base model, else the runner's key of a LoRA adapter (the same
-    tokens under two adapters are two different queries).
+    Not constructed directly; see :class:`NextToken`, :class:`Score`, :class:`Prefill`,
+    :class:`Step`.
     """
 
-    tokens: tuple[int, ...]
-    targets: tuple[int, ...] | None = None
-    adapter: int | None = None
-    greedy: bool = False
-    pick: "Pick | None" = None
+    __slots__ = ("tokens", "adapter", "tokens_hash", "_hash")
+    n_outputs = 1
+
+    def __init__(self, tokens: tuple[int, ...], adapter: int | None = None,
+                 _tokens_hash: int | None = None):
+        self.tokens = tokens
+        self.adapter = adapter
+        # hash(tokens), kept: a related query (next_token_of) is built without rehashing
+        self.tokens_hash = hash(tokens) if _tokens_hash is None else _tokens_hash
+        self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
+
+    def _extra(self) -> tuple:
+        return ()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (
+            type(other) is type(self) and self._hash == other._hash
+            and self.adapter == other.adapter and self._extra() == other._extra()
+            and self.tokens == other.tokens)
+
+    def __repr__(self) -> str:
+        toks = self.tokens if len(self.tokens) <= 8 else (*self.tokens[:4], "...", *self.tokens[-2:])
+        return f"{type(self).__name__}(tokens={toks} ({len(self.tokens)}), adapter={self.adapter})"
+
+
+class NextToken(Query):
+    """The next-token log-prob row after ``tokens``: float32 ``[V]``, log-normalised."""
+
+    __slots__ = ()
+
+
+class Prefill(Query):
+    """Compute and keep the KV of ``tokens`` (a prompt pinned by ``cache_kv``, a prefix several
+    queries share, a chunk of a query too large for one forward). Result: None."""
+
+    __slots__ = ()
+    n_outputs = 0
+
+
+class Score(Query):
+    """Log-probs of ``targets`` at the last ``len(targets)`` positions of ``tokens + targets[-1:]``.
+
+    For a continuation after a context: ``tokens = context + continuation[:-1]``, ``targets =
+    continuation``. Result: float32 ``[n]`` (``n = len(targets) >= 1``); with ``greedy`` the pair
+    ``(logprobs float32 [n], is_greedy bool [n])``, ``is_greedy[i]`` telling whether
+    ``targets[i]`` is the argmax of its position's logits (both from the same forward).
+    """
+
+    __slots__ = ("targets", "greedy")
+
+    def __init__(self, tokens: tuple[int, ...], targets: tuple[int, ...],
+                 adapter: int | None = None, greedy: bool = False):
+        if not 1 <= len(targets) <= len(tokens):
+            raise ValueError(f"Score needs 1 to len(tokens) targets, got {len(targets)} for "
+                             f"{len(tokens)} tokens")
+        self.targets = tuple(targets)
+        self.greedy = bool(greedy)
+        super().__init__(tokens, adapter)
+
+    def _extra(self) -> tuple:
+        return (self.targets, self.greedy)
 
     @property
     def n_outputs(self) -> int:
-        return 1 if self.targets is None else len(self.targets)
+        return len(self.targets)
 
 
-def row_key(query: Query):
-    """Output-cache and batch key of a next-token query: its tokens (base model), or
-    ``(adapter, tokens)`` (the same tokens under another adapter are another context)."""
-    return query.tokens if query.adapter is None else (query.adapter, query.tokens)
+class Step(Query):
+    """A decoding step: the :class:`~genback.sampling.Choice` that :func:`genback.sampling.choose`
+    makes from the logits after ``tokens`` as ``pick`` says, on the model's device (only the
+    token and the asked-for log-probs leave it). Runners that answer it declare ``picks``."""
+
+    __slots__ = ("pick",)
+
+    def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None,
+                 _tokens_hash: int | None = None):
+        self.pick = pick
+        super().__init__(tokens, adapter, _tokens_hash)
+
+    def _extra(self) -> tuple:
+        return (self.pick,)
+
+
+def next_token_of(query: Query) -> NextToken:
+    """The :class:`NextToken` query of ``query``'s tokens and adapter (its output-cache key),
+    built without hashing the context again when ``query`` is one already."""
+    if type(query) is NextToken:
+        return query
+    return NextToken(query.tokens, query.adapter, query.tokens_hash)

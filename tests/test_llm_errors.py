@@ -230,11 +230,19 @@ async def test_clear_cache_keeps_the_pinned_prompt(tiny_hf, gpt2_tok):
 
 
 async def test_token_logprobs_longer_than_the_window_is_refused(tiny_hf, gpt2_tok):
+    """The window counts the forward's inputs, context + continuation[:-1] (the last token is
+    never an input, as lm-eval's HFLM counts): 512 inputs fit the tiny model's 512, 513 fail."""
     lm = AsyncTransformer(tiny_hf, gpt2_tok)  # n_positions = 512
     try:
-        with pytest.raises(ValueError, match=r"context_ids \+ continuation_ids has 600 tokens"):
+        with pytest.raises(ValueError,
+                           match=r"context_ids \+ continuation_ids\[:-1\] has 599 tokens"):
             await lm.token_logprobs([1] * 300, [2] * 300)
+        with pytest.raises(ValueError, match="has 513 tokens"):
+            await lm.token_logprobs([1] * 257, [2] * 257)
         assert lm.cache_info()["forwards"] == 0
+        lps = await lm.token_logprobs([1] * 256, [2] * 257)  # 512 inputs: the whole window
+        ref = lm.next_token_logprobs_uncached([1] * 256 + [2] * 256)
+        assert abs(float(lps[-1]) - float(ref[2])) < 1e-5
     finally:
         await lm.aclose()
 

@@ -78,8 +78,7 @@ class AdapterNames:
         # forward lock held: no computation under this adapter runs now
         self._retired[key] = why
         self._unload_adapter(key)
-        self._output_cache.drop(lambda k: isinstance(k, tuple) and len(k) == 2
-                                and k[0] == key and isinstance(k[1], tuple))
+        self._output_cache.drop(lambda k: getattr(k, "adapter", None) == key)
 
     def _lora_key(self, lora_name) -> int | None:
         if lora_name is None:

@@ -17,11 +17,10 @@ import torch
 
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
 from ..output_cache import OutputCache
-from ..query import Query
-from ..query import row_key as _row_key
+from ..query import NextToken, Query, Score
 from ..runner import Runner
 from .decoding import Decoding
-from .inputs import check_lora, check_positive_int, check_token_ids
+from .inputs import ContextChecker, check_lora, check_positive_int, check_token_ids
 from .queue_api import QueueHooks
 
 
@@ -66,6 +65,7 @@ class AsyncLM(QueueHooks, Decoding):
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self._eos_token_ids = frozenset(eos)
+        self._contexts = ContextChecker(self.vocab_size)
         self._runner = runner
         self._output_cache = OutputCache(row_cache_size)
         self._batcher = Batcher(
@@ -152,8 +152,7 @@ class AsyncLM(QueueHooks, Decoding):
         results: list = [None] * len(queries)
         todo = []
         for i, q in enumerate(queries):
-            row = (self._output_cache.get(_row_key(q))
-                   if q.targets is None and q.pick is None else None)
+            row = self._output_cache.get(q) if type(q) is NextToken else None
             if row is not None:  # computed by an earlier batch since this query was submitted
                 results[i] = row
             else:
@@ -167,9 +166,8 @@ class AsyncLM(QueueHooks, Decoding):
                 computed = self._runner.run([queries[i] for i in todo]) if todo else []
             for i, value in zip(todo, computed):
                 results[i] = value
-                if (queries[i].targets is None and queries[i].pick is None
-                        and not isinstance(value, BaseException)):
-                    self._output_cache.put(_row_key(queries[i]), value)
+                if type(queries[i]) is NextToken and not isinstance(value, BaseException):
+                    self._output_cache.put(queries[i], value)
         return results
 
     # -- adapters (backends that serve LoRA override these two) -------------------------------------
@@ -191,7 +189,7 @@ class AsyncLM(QueueHooks, Decoding):
     # -- queries ----------------------------------------------------------------------------------
 
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
-        ids = check_token_ids(token_ids, self.vocab_size, name)
+        ids = self._contexts(token_ids, name)
         if self.max_context_length and len(ids) > self.max_context_length:
             raise ValueError(
                 f"{name} has {len(ids)} tokens, more than the model's context of "
@@ -225,14 +223,13 @@ class AsyncLM(QueueHooks, Decoding):
             BatcherClosed: the model was closed or reset while the query waited.
         """
         adapter = self._lora_key(lora_name)
-        query = Query(self._check_ids(token_ids), None, adapter)
+        query = NextToken(self._check_ids(token_ids), adapter)
         self._check_open()
         self._count(len(query.tokens))
-        key = _row_key(query)
-        row = self._output_cache.get(key)
+        row = self._output_cache.get(query)
         if row is None:
-            row = await self._batcher.submit(key, query)
-        return row.clone()
+            row = await self._batcher.submit(query, query)
+        return row.clone()  # the one copy: cached rows are shared, never handed out
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`next_token_logprobs`; works inside a running loop too.
@@ -266,16 +263,16 @@ class AsyncLM(QueueHooks, Decoding):
         self._check_open()
         for tokens in contexts:
             self._count(len(tokens))
-        queries = {_row_key(q): q for q in (Query(t, None, adapter) for t in contexts)}
-        cached = {k: self._output_cache.get(k) for k in queries}
-        missing = [k for k, row in cached.items() if row is None]
+        queries = [NextToken(t, adapter) for t in contexts]
+        cached = {q: self._output_cache.get(q) for q in queries}
+        missing = [q for q, row in cached.items() if row is None]
         if missing:
-            for k, row in zip(missing, self._compute_locked([queries[k] for k in missing])):
+            for q, row in zip(missing, self._compute_locked(missing)):
                 if isinstance(row, BaseException):
                     raise row
-                cached[k] = row
+                cached[q] = row
         # stack copies: callers own their rows
-        return torch.stack([cached[_row_key(Query(t, None, adapter))] for t in contexts])
+        return torch.stack([cached[q] for q in queries])
 
     @staticmethod
     def _check_list(token_ids_list, name: str) -> list:
@@ -288,17 +285,19 @@ class AsyncLM(QueueHooks, Decoding):
         return list(token_ids_list)
 
     def _pair_query(self, context_ids, continuation_ids, greedy: bool,
-                    adapter: int | None = None) -> Query:
+                    adapter: int | None = None) -> Score:
         context = self._check_ids(context_ids, "context_ids")
         continuation = self._check_ids(continuation_ids, "continuation_ids")
-        total = len(context) + len(continuation)
-        if self.max_context_length and total > self.max_context_length:
+        # the forward's inputs are context + continuation[:-1]: the last token is never an input
+        inputs = len(context) + len(continuation) - 1
+        if self.max_context_length and inputs > self.max_context_length:
             raise ValueError(
-                f"context_ids + continuation_ids has {total} tokens ({len(context)} + "
-                f"{len(continuation)}), more than the model's context of {self.max_context_length}"
+                f"context_ids + continuation_ids[:-1] has {inputs} tokens ({len(context)} + "
+                f"{len(continuation) - 1}), more than the model's context of "
+                f"{self.max_context_length}"
             )
         self._check_open()
-        query = Query(context + continuation[:-1], continuation, adapter, greedy=greedy)
+        query = Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
         self._count(len(query.tokens))
         return query
 

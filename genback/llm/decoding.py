@@ -14,8 +14,7 @@ import math
 import numbers
 from typing import AsyncIterator
 
-from ..query import Query
-from ..query import row_key as _row_key
+from ..query import NextToken, Step
 from ..sampling import Choice, Pick, SamplingParams, choose
 from .inputs import check_token_ids
 
@@ -49,13 +48,13 @@ class Decoding:
         key = self._check_ids(token_ids)
         self._check_open()
         self._count(len(key))
-        row_query = Query(key, adapter=adapter)
-        row = self._output_cache.get(_row_key(row_query))
+        row_query = NextToken(key, adapter)
+        row = self._output_cache.get(row_query)
         if row is None and getattr(self._runner, "picks", False):
-            query = Query(key, adapter=adapter, pick=pick)
+            query = Step(key, pick, adapter, _tokens_hash=row_query.tokens_hash)
             return await self._batcher.submit(query, query)
         if row is None:
-            row = await self._batcher.submit(_row_key(row_query), row_query)
+            row = await self._batcher.submit(row_query, row_query)
         return choose(row, key, pick)
 
     async def generate_stream(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ def check_token_ids(
         ids = tuple(token_ids.tolist())
     elif isinstance(token_ids, (list, tuple)):
         ids = tuple(token_ids)
-        if not all(type(t) is int for t in ids):
+        if set(map(type, ids)) - {int}:  # (C-level: no per-id Python frame)
             for i, t in enumerate(ids):
                 if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                     raise TypeError(
@@ -52,11 +53,68 @@ def check_token_ids(
         if allow_empty:
             return ids
         raise ValueError(f"{name} must be non-empty, got {_short(token_ids)}")
-    lo, hi = min(ids), max(ids)
+    lo, hi = min(ids), max(ids)  # (C-level)
     if lo < 0 or hi >= vocab_size:
         i, t = next((i, t) for i, t in enumerate(ids) if t < 0 or t >= vocab_size)
         raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+class ContextChecker:
+    """:func:`check_token_ids` for contexts, with a memory of the contexts it validated.
+
+    A context equal to one validated recently, or extending one by a single token (an SMC step,
+    a decoding step), is checked in work independent of its length: a tuple, its hash and one
+    comparison in C, plus the new token's check, instead of a pass over every id in Python. The
+    validated tuple itself is returned (equal ids that are not plain ints, such as NumPy ints,
+    come back as the ints validated before).
+
+    Args:
+        vocab_size: ids must lie in ``[0, vocab_size)``.
+        max_contexts: most validated contexts remembered (least recently used dropped first);
+            the memory holds references to tuples that the output cache and queries mostly hold
+            anyway.
+
+    Not thread-safe beyond the GIL's atomic dict operations: a lost update only costs a full
+    check later.
+    """
+
+    def __init__(self, vocab_size: int, max_contexts: int = 4096):
+        self.vocab_size = vocab_size
+        self.max_contexts = max_contexts
+        self._seen: OrderedDict[tuple, tuple] = OrderedDict()  # context -> the validated tuple
+
+    def __call__(self, token_ids, name: str = "token_ids") -> tuple[int, ...]:
+        """Checked ``token_ids`` as a tuple of ints; raises as :func:`check_token_ids`."""
+        kind = type(token_ids)
+        if kind is list or kind is tuple:
+            ids = token_ids if kind is tuple else tuple(token_ids)
+            seen = self._seen
+            try:
+                hit = seen.get(ids)
+                if hit is None and len(ids) > 1:
+                    parent = seen.get(ids[:-1])
+                    last = ids[-1]
+                    if parent is not None and type(last) is int and 0 <= last < self.vocab_size:
+                        hit = parent + (last,)
+            except TypeError:  # an unhashable element: the full check names it
+                hit = None
+            if hit is not None:
+                self._remember(hit)
+                return hit
+        ids = check_token_ids(token_ids, self.vocab_size, name)
+        self._remember(ids)
+        return ids
+
+    def _remember(self, ids: tuple) -> None:
+        seen = self._seen
+        seen[ids] = ids
+        seen.move_to_end(ids)
+        if len(seen) > self.max_contexts:
+            seen.popitem(last=False)
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 def check_positive_int(value, name: str) -> int:

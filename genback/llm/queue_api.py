@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..query import Query
+from ..query import NextToken
 
 
 class QueueHooks:
@@ -27,20 +27,17 @@ class QueueHooks:
             TypeError / ValueError: bad ``query`` or ``lora_name`` (``future`` is left alone).
             RuntimeError: no running event loop on this thread.
         """
-        from .base import _row_key
-
         adapter = self._lora_key(lora_name)
-        q = Query(self._check_ids(query, "query"), None, adapter)
+        q = NextToken(self._check_ids(query, "query"), adapter)
         self._check_open()
         asyncio.get_running_loop()  # RuntimeError outside a running loop
         self._count(len(q.tokens))
-        key = _row_key(q)
-        row = self._output_cache.get(key)
+        row = self._output_cache.get(q)
         if row is not None:
             if not future.done():
                 future.set_result(row.clone())
             return
-        inner = self._batcher.enqueue(key, q)
+        inner = self._batcher.enqueue(q, q)
 
         def relay(done: asyncio.Future) -> None:
             if future.done():

@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..query import Query
+from ..query import Prefill, Query, Score
 from .mlx_kv import PrefixKV, _lcp
 
 
@@ -199,7 +199,7 @@ class MlxRunner:
 
     def _pin(self, tokens: tuple[int, ...], adapter: int | None) -> None:
         if not self.reuse:
-            self._run([Query(tokens, (), adapter)])
+            self._run([Prefill(tokens, adapter)])
             return
         existing = self.store.entries.get((adapter, tokens))
         if existing is None or not existing.pinned:
@@ -210,7 +210,7 @@ class MlxRunner:
                     f"prompt_tokens ({len(tokens)} tokens) need {need:,} bytes of KV; with "
                     f"{pinned:,} bytes pinned already that exceeds kv_budget_bytes="
                     f"{self.store.budget_bytes:,}: raise the budget or pin a shorter prompt")
-        self._run([Query(tokens, (), adapter)])
+        self._run([Prefill(tokens, adapter)])
         entry = self.store.entries.get((adapter, tokens))
         if entry is None:  # covered by a longer entry: keep its first len(tokens) positions
             source, n = self.store.match(np.asarray(tokens, dtype=np.int64), len(tokens), adapter)
@@ -223,7 +223,7 @@ class MlxRunner:
     def _run_all(self, queries: list[Query]) -> list:
         if self.reuse and len(queries) > 1:
             for level in self._shared_prefixes(queries):
-                self._run([Query(prefix, (), adapter) for adapter, prefix in level])
+                self._run([Prefill(prefix, adapter) for adapter, prefix in level])
         results = self._run(queries)
         self.store.evict()
         return results
@@ -261,10 +261,10 @@ class MlxRunner:
             if q.n_outputs == 0 and p == len(q.tokens):
                 self.store.touch(entry)
                 continue  # KV-only query already cached
-            key = (q.adapter or 0, p, len(q.tokens), q.n_outputs)
+            key = (q.adapter or 0, p, len(q.tokens), q.n_outputs, type(q).__name__)
             groups.setdefault(key, []).append((i, q, entry))
-        for (_, p, length, n_out), members in sorted(groups.items(),
-                                                      key=lambda kv: kv[0][::2]):
+        for (_, p, length, n_out, _), members in sorted(groups.items(),
+                                                         key=lambda kv: kv[0][:4:2]):
             self._activate(members[0][1].adapter)
             rows_per_forward = max(1, self.max_batch_tokens // max(1, min(
                 length - p, self.prefill_step_size)))
@@ -339,7 +339,7 @@ class MlxRunner:
                 offset = max(lo, first_out) - lo
             if hi > first_out:
                 wanted = logits[:, offset:, :].astype(mx.float32)
-                if queries[0].targets is None:
+                if not isinstance(queries[0], Score):  # a next-token row: the last position
                     wanted = wanted[:, -1:, :]
                 mx.eval(wanted, *_cache_arrays(cache))
                 pieces.append(_log_softmax(wanted))  # [B, hi - max(lo, first_out), V]
@@ -354,7 +354,7 @@ class MlxRunner:
         if n_out == 0:
             return [None] * len(queries)
         logp = torch.cat(pieces, dim=1)  # [B, n_out (rows: 1), V]
-        if queries[0].targets is None:
+        if not isinstance(queries[0], Score):
             return [logp[b, -1].clone() for b in range(len(queries))]
         targets = torch.tensor([q.targets for q in queries], dtype=torch.long)  # [B, n_out]
         values = logp.gather(-1, targets[..., None])[..., 0]  # [B, n_out]

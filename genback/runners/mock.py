@@ -13,14 +13,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..query import Query
+from ..query import NextToken, Prefill, Query, Score, Step
 from ..sampling import choose
 
 
 class MockRunner:
     """Runner of :class:`~genback.llm.MockAsyncLM` over a vocabulary of ``vocab_size`` tokens."""
 
-    picks = True  # answers decoding-step queries (Query.pick)
+    picks = True  # answers decoding-step queries (Step)
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -38,23 +38,25 @@ class MockRunner:
         results = []
         for q in queries:
             self.tokens_forwarded += len(q.tokens)
-            if q.pick is not None:
-                results.append(choose(self.row(q.tokens), q.tokens, q.pick))
-            elif q.targets is None:
-                results.append(self.row(q.tokens))
-            elif q.targets == ():
-                results.append(None)
-            else:
-                start = len(q.tokens) - len(q.targets) + 1
-                rows = [self.row(q.tokens[: start + j]) for j in range(len(q.targets))]
-                lps = torch.stack([row[t] for row, t in zip(rows, q.targets)])
-                if q.greedy:
-                    flags = torch.tensor([int(row.argmax()) == t
-                                          for row, t in zip(rows, q.targets)])
-                    results.append((lps, flags))
-                else:
-                    results.append(lps)
+            match q:
+                case Step():
+                    results.append(choose(self.row(q.tokens), q.tokens, q.pick))
+                case NextToken():
+                    results.append(self.row(q.tokens))
+                case Prefill():
+                    results.append(None)
+                case Score():
+                    results.append(self._score(q))
         return results
+
+    def _score(self, q: Score):
+        start = len(q.tokens) - len(q.targets) + 1
+        rows = [self.row(q.tokens[: start + j]) for j in range(len(q.targets))]
+        lps = torch.stack([row[t] for row, t in zip(rows, q.targets)])
+        if q.greedy:
+            flags = torch.tensor([int(row.argmax()) == t for row, t in zip(rows, q.targets)])
+            return lps, flags
+        return lps
 
     def stats(self) -> dict:
         return {"forwards": self.forwards, "tokens_forwarded": self.tokens_forwarded}

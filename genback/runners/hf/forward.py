@@ -1,55 +1,61 @@
-"""One forward of a group of planned rows through a Hugging Face causal LM.
+"""One forward of a group of planned paths through a Hugging Face causal LM.
 
-Both paths feed the rows' new tokens right-padded to the longest (``[R, m]``), with explicit
-positions, and keep logits only at the positions some row needs (``logits_to_keep``):
+Both kinds of forward feed the paths' new tokens right-padded to the longest (``[R, m]``), with
+explicit positions, and keep logits only at the positions some output needs (``logits_to_keep``):
 
 * :func:`tree_forward`: tree attention (:mod:`.tree_attention`): shared segments are read in
-  place once for all rows below them; each row's private past is laid out layer by layer from
+  place once for all paths below them; each path's private past is laid out layer by layer from
   the runner's :class:`~.past_pool.PastPool`.
-* :func:`dense_forward`: for models without the attention interface: each row's whole past is
+* :func:`dense_forward`: for models without the attention interface: each path's whole past is
   assembled (left-padded) into a ``DynamicCache``.
 
-The language-model head runs only at the (row, position) pairs some row needs. Each fills
-``row.result`` (float32 CPU ``[V]`` for a next-token row, ``[n]`` for target log-probs, with
-``query.greedy`` the pair of those and bool ``[n]`` argmax flags, None for KV-only) and ``row.new_kv`` (``[layers, 2, kv_heads, n_new, dim]``), and
-returns the KV bytes its attention read.
+The language-model head runs only at the (path, position) pairs some output needs. Each returns
+its outputs' results (:func:`_results`), each path's new KV (``[layers, 2, kv_heads, n_new,
+dim]``) and the KV bytes its attention read; nothing is written into the plan.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...query import NextToken, Query, Score, Step
 from ...sampling import choose_rows
 from . import tree_attention
 from .past_pool import PastPool
-from .plan import Row, split_segments
+from .plan import Path, split_segments
 from .tree_cache import TreeCache
 
 
-def _inputs(rows: list[Row], pad_id: int):
+def _inputs(paths: list[Path], pad_id: int):
     """input_ids / position_ids ``[R, m]`` (CPU) and the new-token counts."""
-    n_new = [r.n_new for r in rows]
+    n_new = [p.n_new for p in paths]
     m = max(n_new)
-    input_ids = torch.full((len(rows), m), pad_id, dtype=torch.long)
-    positions = torch.empty((len(rows), m), dtype=torch.long)
-    for i, r in enumerate(rows):
-        input_ids[i, : n_new[i]] = torch.tensor(r.query.tokens[r.cached:])
-        positions[i] = torch.arange(r.cached, r.cached + m)
+    input_ids = torch.full((len(paths), m), pad_id, dtype=torch.long)
+    positions = torch.empty((len(paths), m), dtype=torch.long)
+    for i, p in enumerate(paths):
+        input_ids[i, : n_new[i]] = torch.tensor(p.tokens[p.cached:])
+        positions[i] = torch.arange(p.cached, p.cached + m)
     return input_ids, positions, n_new
 
 
-def _wanted(rows: list[Row], n_new: list[int]) -> list[int]:
-    """Positions (in the new-token axis) whose logits some row needs."""
-    return sorted({j for r, m in zip(rows, n_new) for j in range(m - r.query.n_outputs, m)})
+def _spans(paths: list[Path]) -> list[tuple[int, int, int]]:
+    """``(path index, first, stop)`` per output with logits, paths' outputs in order: the
+    positions in the new-token axis (``0 .. m - 1``) whose logits the output needs."""
+    return [(i, o.end - o.query.n_outputs - p.cached, o.end - p.cached)
+            for i, p in enumerate(paths) for o in p.outputs if o.query.n_outputs]
 
 
-def _picks(rows: list[Row], n_new: list[int], wanted: list[int]) -> list[int]:
-    """Flat indices into the ``[R, len(wanted)]`` grid of the (row, position) pairs whose logits
-    the rows need, row by row (each row's positions in order)."""
+def _wanted(spans) -> list[int]:
+    """Positions (in the new-token axis) whose logits some output needs, sorted."""
+    return sorted({j for _, a, b in spans for j in range(a, b)})
+
+
+def _picks(spans, wanted: list[int]) -> list[int]:
+    """Flat indices into the ``[R, len(wanted)]`` grid of the (path, position) pairs the outputs
+    need, output by output (each output's positions in order)."""
     column = {j: k for k, j in enumerate(wanted)}
     W = len(wanted)
-    return [i * W + column[j] for i, (r, m) in enumerate(zip(rows, n_new))
-            if r.query.targets != () for j in range(m - r.query.n_outputs, m)]
+    return [i * W + column[j] for i, a, b in spans for j in range(a, b)]
 
 
 # target log-probs are taken in slices of this many positions: the float32 temporaries of a
@@ -59,82 +65,82 @@ def _picks(rows: list[Row], n_new: list[int], wanted: list[int]) -> list[int]:
 _SLICE = 128
 
 
-def _results(rows: list[Row], logits: torch.Tensor) -> None:
-    """Fill ``row.result`` from ``logits`` ``[K, V]`` (on the model's device), the needed positions
-    of the rows in :func:`_picks` order.
+def _results(queries: list[Query], logits: torch.Tensor) -> list:
+    """The result of each query (see :mod:`genback.query`) from ``logits`` ``[K, V]`` (on the
+    model's device): the needed positions of the queries in order, ``n_outputs`` each.
 
-    A next-token row gets ``log_softmax`` of its position (float32 CPU ``[V]``), a decoding step
-    (``query.pick``) the :class:`~genback.sampling.Choice` made on the device; a target row
-    its targets' log-probs (float32 CPU ``[n]``), and with ``query.greedy`` also whether each
-    target is its position's argmax (bool CPU ``[n]``). Only these leave the device: one
-    transfer for all target rows, one for all next-token rows.
+    A :class:`~genback.query.NextToken` gets ``log_softmax`` of its position (float32 CPU
+    ``[V]``, a view of one CPU tensor of all such rows: the caller's copy is the only copy), a
+    :class:`~genback.query.Step` the :class:`~genback.sampling.Choice` made on the device, a
+    :class:`~genback.query.Score` its targets' log-probs (float32 CPU ``[n]``) and with
+    ``greedy`` also whether each target is its position's argmax (bool CPU ``[n]``), a
+    :class:`~genback.query.Prefill` None. Only these leave the device: one transfer for all
+    score outputs, one for all next-token rows.
     """
     dev = logits.device
-    row_at, row_rows, tgt_at, targets = [], [], [], []
+    rows_at, steps_at, steps, tgt_at, targets = [], [], [], [], []
     k = 0
-    for r in rows:
-        t = r.query.targets
-        if t == ():  # KV only (a shared-prefix prefill)
-            continue
-        if t is None:
-            row_at.append(k)
-            row_rows.append(r)
-            k += 1
-        else:
-            tgt_at.extend(range(k, k + len(t)))
-            targets.extend(t)
-            k += len(t)
-    picks = [r for r in rows if r.query.pick is not None]
-    if len(picks) < len(row_at):
-        idx = torch.tensor([k for k, r in zip(row_at, row_rows) if r.query.pick is None],
-                           device=dev)
-        full = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1).cpu()
+    greedy = False
+    for q in queries:
+        match q:
+            case NextToken():
+                rows_at.append(k)
+            case Step():
+                steps_at.append(k)
+                steps.append(q)
+            case Score():
+                tgt_at.extend(range(k, k + len(q.targets)))
+                targets.extend(q.targets)
+                greedy = greedy or q.greedy
+        k += q.n_outputs
+    if rows_at:
+        rows = torch.log_softmax(
+            logits.index_select(0, torch.tensor(rows_at, device=dev)).float(), dim=-1).cpu()
     if tgt_at:
         idx = torch.tensor(tgt_at, device=dev)
         tgt = torch.tensor(targets, device=dev)
-        # argmax flags only when a scoring row asks for them (not for rolling / token_logprobs)
-        greedy = any(r.query.greedy for r in rows if r.query.targets)
         lps, flags = [], []
         for s in range(0, len(tgt_at), _SLICE):
             part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
             want = tgt[s:s + _SLICE, None]
-            if greedy:
+            if greedy:  # argmax flags only when a scoring query asks (not rolling / token_logprobs)
                 flags.append(part.argmax(dim=-1) == want[:, 0])
             # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
             lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
         lps = torch.cat(lps).cpu()
         flags = torch.cat(flags).cpu() if greedy else None
-    if picks:  # decoding steps: chosen on the device
-        at = torch.tensor([k for k, r in zip(row_at, row_rows) if r.query.pick is not None],
-                          device=dev)
-        for r, choice in zip(picks, choose_rows(logits.index_select(0, at),
-                                                [r.query.tokens for r in picks],
-                                                [r.query.pick for r in picks])):
-            r.result = choice
+    chosen = iter(choose_rows(logits.index_select(0, torch.tensor(steps_at, device=dev)),
+                              [q.tokens for q in steps], [q.pick for q in steps])
+                  if steps else ())
+    out: list = []
     a = b = 0
-    for r in row_rows:
-        if r.query.pick is None:
-            r.result = full[a].clone()
-            a += 1
-    for r in rows:
-        t = r.query.targets
-        if t is None or t == ():
-            continue
-        lp = lps[b:b + len(t)].clone()
-        r.result = (lp, flags[b:b + len(t)].clone()) if r.query.greedy else lp
-        b += len(t)
+    for q in queries:
+        match q:
+            case NextToken():
+                out.append(rows[a])
+                a += 1
+            case Step():
+                out.append(next(chosen))
+            case Score():
+                n = len(q.targets)
+                lp = lps[b:b + n]
+                out.append((lp, flags[b:b + n]) if q.greedy else lp)
+                b += n
+            case _:
+                out.append(None)
+    return out
 
 
-def _run_model(model, input_ids, positions, rows, n_new, cache, attention_mask=None):
-    """Forward; return the logits ``[K, V]`` of the positions the rows need (:func:`_picks`).
+def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
+    """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`_picks`).
 
     The language-model head runs only on those positions: a pre-hook on the output embeddings
-    selects them from the hidden states ``[R, W, H]`` of the union of the rows' positions
-    (``logits_to_keep``), so rows that need different positions pay for their own only.
+    selects them from the hidden states ``[R, W, H]`` of the union of the paths' positions
+    (``logits_to_keep``), so paths that need different positions pay for their own only.
     """
     dev = model.device if hasattr(model, "device") else input_ids.device
-    wanted = _wanted(rows, n_new)
-    picks = torch.tensor(_picks(rows, n_new, wanted), dtype=torch.long, device=dev)
+    wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
+    picks = torch.tensor(_picks(spans, wanted), dtype=torch.long, device=dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def select(module, args):  # hidden [R, W, H] -> [1, K, H]
@@ -161,15 +167,21 @@ def _run_model(model, input_ids, positions, rows, n_new, cache, attention_mask=N
     return out, logits.reshape(-1, logits.shape[-1])
 
 
-def _split_new_kv(rows: list[Row], n_new: list[int], new_kv: torch.Tensor) -> None:
-    # new_kv: [layers, 2, R, kv_heads, m, dim] -> per row [layers, 2, kv_heads, n_new, dim]
-    for i, r in enumerate(rows):
-        r.new_kv = new_kv[:, :, i, :, : n_new[i]]
+def _split_new_kv(n_new: list[int], new_kv: torch.Tensor) -> list[torch.Tensor]:
+    # new_kv: [layers, 2, R, kv_heads, m, dim] -> per path [layers, 2, kv_heads, n_new, dim]
+    return [new_kv[:, :, i, :, :n] for i, n in enumerate(n_new)]
 
 
-def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shared_tokens: int,
-                 kernel: str, pool: PastPool) -> int:
-    """Forward ``rows`` with tree attention; return the KV bytes read (all layers).
+def _outputs(paths: list[Path], logits: torch.Tensor) -> list:
+    """Each output's result, paths' outputs in order (:func:`_results` of their queries)."""
+    return _results([o.query for p in paths for o in p.outputs], logits)
+
+
+def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_shared_tokens: int,
+                 kernel: str, pool: PastPool) -> tuple[list, list[torch.Tensor], int]:
+    """Forward paths ``rows`` with tree attention; return each output's result (paths' outputs
+    in order), each path's new KV ``[layers, 2, kv_heads, n_new, dim]`` and the KV bytes read
+    (all layers).
 
     ``layout``: ``(layers, kv_heads, head_dim, dtype, device)`` of the model's KV; ``pool``: the
     runner's :class:`~.past_pool.PastPool` of private pasts.
@@ -200,16 +212,16 @@ def tree_forward(model, rows: list[Row], *, pad_id: int, layout: tuple, min_shar
     batch = tree_attention.TreeBatch(segments, pool if placed is not None else None, index, P,
                                      mask.to(dev), new_kv, kernel, out)
     with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
-        _, logits = _run_model(model, input_ids, positions, rows, n_new, TreeCache(batch))
-    _results(rows, logits)
-    _split_new_kv(rows, n_new, new_kv)
+        _, logits = _run_model(model, input_ids, positions, _spans(rows), TreeCache(batch))
     token_bytes = n_layers * 2 * heads * dim * new_kv.element_size()
-    return token_bytes * (sum(kv.shape[3] for kv, _ in shared) + R * P)
+    read = token_bytes * (sum(kv.shape[3] for kv, _ in shared) + R * P)
+    return _outputs(rows, logits), _split_new_kv(n_new, new_kv), read
 
 
-def dense_forward(model, rows: list[Row], *, pad_id: int, layout: tuple) -> int:
-    """Forward ``rows`` over their assembled pasts (models without the attention interface);
-    return the KV bytes read (all layers)."""
+def dense_forward(model, rows: list[Path], *, pad_id: int, layout: tuple
+                  ) -> tuple[list, list[torch.Tensor], int]:
+    """Forward paths ``rows`` over their assembled pasts (models without the attention
+    interface); return as :func:`tree_forward` does."""
     from transformers import DynamicCache
 
     n_layers, heads, dim, dtype, dev = layout
@@ -234,13 +246,13 @@ def dense_forward(model, rows: list[Row], *, pad_id: int, layout: tuple) -> int:
             cache.update(past[layer, 0][:, :, :0], past[layer, 1][:, :, :0], layer)
             cache.layers[layer].keys, cache.layers[layer].values = past[layer, 0], past[layer, 1]
         del past
-    out, logits = _run_model(model, input_ids, positions, rows, n_new, cache,
+    out, logits = _run_model(model, input_ids, positions, _spans(rows), cache,
                              None if bool(mask.all()) else mask.to(dev))
-    _results(rows, logits)
+    values = _outputs(rows, logits)
     layers = out.past_key_values.layers
     new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
     for j, layer in enumerate(layers):  # the new tokens' KV, one copy
         new_kv[j, 0].copy_(layer.keys[:, :, P:])
         new_kv[j, 1].copy_(layer.values[:, :, P:])
-    _split_new_kv(rows, n_new, new_kv)
-    return n_layers * 2 * heads * dim * new_kv.element_size() * R * P
+    read = n_layers * 2 * heads * dim * new_kv.element_size() * R * P
+    return values, _split_new_kv(n_new, new_kv), read

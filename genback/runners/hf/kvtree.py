@@ -99,6 +99,8 @@ class KVTree:
             ``tokens[:length]``; ``holder`` is the deepest node those segments come from
             (``acquire`` it to keep them from eviction while they are in use), or the root.
         """
+        if type(tokens) is not tuple:
+            tokens = tuple(tokens)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         node, pos, segments = self._roots.get(adapter), 0, []
         if node is None:  # nothing cached under this adapter: an empty stand-in root
@@ -109,7 +111,7 @@ class KVTree:
                 break
             edge = child.edge
             n = min(len(edge), limit - pos)
-            k = _common(edge, tokens, pos, n)
+            k = common_prefix_length(edge[:n], tokens[pos:pos + n])
             if k == 0:
                 break
             segments.append((child, k, child.kv if k == len(edge) else child.kv[:, :, :, :k]))
@@ -137,6 +139,8 @@ class KVTree:
         ``insert``). Parts that another insertion already stored are kept and not duplicated.
         Returns the node that ends at ``len(tokens)``; call ``evict`` afterwards.
         """
+        if type(tokens) is not tuple:
+            tokens = tuple(tokens)
         if kv.shape[3] != len(tokens) - start:
             raise ValueError(
                 f"kv covers {kv.shape[3]} tokens but tokens[start:] has {len(tokens) - start}"
@@ -155,7 +159,7 @@ class KVTree:
                 break
             edge = child.edge
             n = min(len(edge), len(tokens) - pos)
-            k = _common(edge, tokens, pos, n)
+            k = common_prefix_length(edge[:n], tokens[pos:pos + n])
             if k < len(edge):
                 child = self._split(child, k)
             node, pos = child, pos + k
@@ -275,12 +279,18 @@ class KVTree:
         return freed
 
 
-def _common(edge: tuple, tokens: Sequence[int], pos: int, n: int) -> int:
-    """Length of the common prefix of ``edge[:n]`` and ``tokens[pos:pos + n]`` (one C-level
-    slice comparison when they agree, as they do along a cached path)."""
-    if tuple(tokens[pos: pos + n]) == edge[:n]:
+def common_prefix_length(a, b, start: int = 0) -> int:
+    """Length of the common prefix of sequences ``a`` and ``b``, given that it is at least
+    ``start``: slice comparisons in C, halving the unresolved range (about ``2 * len`` element
+    comparisons in all, no per-token Python loop)."""
+    n = min(len(a), len(b))
+    if a[start:n] == b[start:n]:
         return n
-    k = 0
-    while k < n and edge[k] == tokens[pos + k]:
-        k += 1
-    return k
+    lo, hi = start, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

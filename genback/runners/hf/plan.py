@@ -1,36 +1,146 @@
-"""Planning a batch against the KV tree: what each row forwards, which forwards, which segments.
+"""Planning a batch against the KV tree, as plain data: which token paths each forward runs, and
+which query outputs each path answers.
 
-* :class:`Row`: one query matched against the tree (its cached segments and new tokens).
-* :func:`shared_prefixes` / :func:`nesting_levels`: uncached prefixes that several queries of a
-  batch share, prefilled once each, shortest first.
-* :func:`group_rows`: forwards sized by work — the tokens they forward (padding included) and the
+* :class:`Path`: one token sequence a forward extends beyond its cached prefix (a row of the
+  forward's input batch), with the :class:`Output` s it answers. A query whose tokens are a prefix
+  of a longer path of the batch is answered by that path, at its own positions: a forward computes
+  logits at every position it forwards, so the 256 nested prefixes of one sequence cost one path.
+* :func:`plan_batch`: the levels of a batch: KV-only prefills of uncached prefixes that several
+  paths share (shortest first), then the paths that answer the queries. Each query is matched
+  against the tree once; prefixes are compared only on their uncached suffixes, in C (tuple
+  slices and comparisons), never token by token in Python.
+* :func:`group_paths`: forwards sized by work — the tokens they forward (padding included) and the
   bytes their attention needs — never by the length of whole contexts.
-* :func:`split_segments`: which cached segments a forward reads once for all rows below them
-  (shared) and which it gathers per row (private).
+* :func:`split_segments`: which cached segments a forward reads once for all paths below them
+  (shared) and which it gathers per path (private).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 from ...query import Query
+from .kvtree import common_prefix_length
 
 
-class Row:
-    """A query planned against the tree: ``segments`` (``(node, k, kv)`` from ``KVTree.match``)
-    hold the KV of ``tokens[:cached]``; the row forwards ``tokens[cached:]``."""
+@dataclass(frozen=True)
+class Output:
+    """Query ``query`` (index ``index`` of the batch), answered by a path at ``tokens[:end]`` of
+    it: its logits are those of the path's positions ``end - query.n_outputs .. end - 1``."""
 
-    __slots__ = ("query", "segments", "cached", "holder", "new_kv", "result")
+    index: int
+    query: Query
+    end: int
 
-    def __init__(self, query: Query, segments, cached: int, holder):
-        self.query = query
-        self.segments = segments
-        self.cached = cached
-        self.holder = holder
-        self.new_kv = None
-        self.result = None
+
+class Path:
+    """A token sequence one forward extends: ``segments`` (``(node, k, kv)`` from
+    ``KVTree.match``) hold the KV of ``tokens[:cached]``; the forward computes ``tokens[cached:]``
+    and the logits ``outputs`` need. ``limit``: how far its cached prefix may reach (its first
+    needed position). ``segments is None`` until matched (paths after a prefill level)."""
+
+    __slots__ = ("tokens", "adapter", "limit", "outputs", "segments", "cached", "holder")
+
+    def __init__(self, tokens: tuple[int, ...], adapter, limit: int, outputs: list[Output],
+                 match=None):
+        self.tokens = tokens
+        self.adapter = adapter
+        self.limit = limit
+        self.outputs = outputs
+        self.segments, self.cached, self.holder = match if match is not None else (None, 0, None)
 
     @property
     def n_new(self) -> int:
-        return len(self.query.tokens) - self.cached
+        return len(self.tokens) - self.cached
+
+    def __repr__(self) -> str:
+        return (f"Path({len(self.tokens)} tokens, cached={self.cached}, limit={self.limit}, "
+                f"outputs={[(o.index, o.end) for o in self.outputs]})")
+
+
+def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list[list[Path]]:
+    """Plan distinct queries of one adapter as levels of paths (each level one or more forwards).
+
+    Args:
+        queries: distinct queries of one adapter, each fitting in one forward.
+        match: ``match(tokens, limit) -> (segments, cached, holder)``, the tree's longest cached
+            prefix of ``tokens`` of at most ``limit`` tokens (``KVTree.match``).
+        min_gain: a prefix shared by several paths is prefilled once first when it saves at
+            least this many tokens of forward per path.
+
+    Returns:
+        ``[prefill level, ..., answer level]``: prefill levels hold KV-only paths (no outputs,
+        not matched yet: run after the levels before them), shortest prefixes first; the last
+        level holds every query's path, matched already unless a prefill level precedes it.
+    """
+    # a query forwards at least its positions from len(tokens) - n_outputs on (their logits are
+    # needed), so its cached prefix reaches at most there. Queries whose cached prefixes end in
+    # the same node agree on their tokens up to the shortest of those prefixes: they are
+    # compared on what follows it only (nothing cached: one group, whatever root)
+    groups: dict = {}
+    for i, q in enumerate(queries):
+        limit = len(q.tokens) - q.n_outputs
+        m = match(q.tokens, limit)
+        groups.setdefault(id(m[2]) if m[1] else None, []).append((i, q, limit, m))
+    paths: list[Path] = []
+    shared: set = set()
+    for members in groups.values():
+        base = min(m[1] for _, _, _, m in members)
+        members.sort(key=lambda e: e[1].tokens[base:])  # a prefix sorts right before extensions
+        leaves: list[Path] = []
+        pending: list[Output] = []
+        first = None  # the match of the pending query with the shortest cached prefix
+        for j, (i, q, limit, m) in enumerate(members):
+            pending.append(Output(i, q, len(q.tokens)))
+            if first is None or m[1] < first[1]:
+                first = m
+            if j + 1 < len(members):
+                nxt = members[j + 1][1].tokens
+                if len(nxt) >= len(q.tokens) and nxt[base:len(q.tokens)] == q.tokens[base:]:
+                    continue  # answered by the path of an extension of it (the next leaf)
+            leaves.append(Path(q.tokens, q.adapter, min(
+                o.end - o.query.n_outputs for o in pending), pending, first))
+            pending, first = [], None
+        if len(leaves) > 1:
+            _shared_prefixes(leaves, base, min_gain, shared)
+        paths.extend(leaves)
+    if not shared:
+        return [paths]
+    for p in paths:  # prefills commit KV first: match these paths when their level runs
+        p.segments, p.cached, p.holder = None, 0, None
+    adapter = queries[0].adapter
+    levels = [[Path(prefix, adapter, len(prefix), []) for prefix in level]
+              for level in nesting_levels(sorted(shared))]
+    return levels + [paths]
+
+
+def _shared_prefixes(leaves: list[Path], cached: int, min_gain: int, found: set) -> None:
+    """Add to ``found`` the prefixes (beyond the common cached ``cached`` tokens) that adjacent
+    sorted ``leaves`` share, at least ``min_gain`` tokens long, short of each leaf's last token
+    (e.g. the first step of particles that all extend one uncached prompt). A leaf whose limit
+    is shorter still reuses the prefill up to its limit (it is matched when its level runs)."""
+    lcp = [cached] + [common_prefix_length(a.tokens, b.tokens, cached)
+                      for a, b in zip(leaves, leaves[1:])] + [cached]
+    for k, leaf in enumerate(leaves):
+        share = min(max(lcp[k], lcp[k + 1]), len(leaf.tokens) - 1)
+        if share - cached >= min_gain:
+            found.add(leaf.tokens[:share])
+
+
+def nesting_levels(prefixes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Split sorted, distinct ``prefixes`` into levels: level k holds those with exactly k proper
+    prefixes among the others (a prefix sorts before its extensions, so one stack pass does it)."""
+    levels: list[list[tuple[int, ...]]] = []
+    stack: list[tuple[int, ...]] = []
+    for p in prefixes:
+        while stack and p[: len(stack[-1])] != stack[-1]:
+            stack.pop()
+        if len(stack) == len(levels):
+            levels.append([])
+        levels[len(stack)].append(p)
+        stack.append(p)
+    return levels
 
 
 # what one forward costs by itself, in tokens of forward (measured on SmolLM2-135M fp32 on one CPU
@@ -38,22 +148,22 @@ class Row:
 FORWARD_COST_TOKENS = 32
 
 
-def group_rows(rows: list[Row], max_tokens: int, max_bytes: int,
-               score_bytes_per_key: int) -> list[list[Row]]:
-    """Split rows into forwards.
+def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
+                score_bytes_per_key: int) -> list[list[Path]]:
+    """Split paths into forwards.
 
-    Rows are sorted by new-token count (longest first); a forward grows while its right padding
+    Paths are sorted by new-token count (longest first); a forward grows while its right padding
     stays within ``max(FORWARD_COST_TOKENS, padded tokens / 16)`` (a forward costs about that
     many tokens by itself, reading the weights: padding beyond it costs more than a forward of
     its own), its padded new tokens stay within ``max_tokens`` and the
-    attention scores of its private part (``rows * new * (longest cached + new) *
-    score_bytes_per_key``, an upper bound) within ``max_bytes``. A single row may exceed both
+    attention scores of its private part (``paths * new * (longest cached + new) *
+    score_bytes_per_key``, an upper bound) within ``max_bytes``. A single path may exceed both
     (it is forwarded alone). Decode steps (one new token each) share one forward up to the
     limits, however long their contexts.
     """
-    order = sorted(rows, key=lambda r: r.n_new, reverse=True)
-    groups: list[list[Row]] = []
-    group: list[Row] = []
+    order = sorted(paths, key=lambda r: r.n_new, reverse=True)
+    groups: list[list[Path]] = []
+    group: list[Path] = []
     longest = real = 0
     past = 0
     for r in order:
@@ -77,22 +187,22 @@ def group_rows(rows: list[Row], max_tokens: int, max_bytes: int,
     return groups
 
 
-def split_segments(rows: list[Row], min_shared_tokens: int):
-    """Decide which cached segments a forward attends to once for all rows below them.
+def split_segments(paths: list[Path], min_shared_tokens: int):
+    """Decide which cached segments a forward attends to once for all paths below them.
 
-    A segment (a node's first ``k`` tokens) used by ``n >= 2`` rows is shared when the copies it
+    A segment (a node's first ``k`` tokens) used by ``n >= 2`` paths is shared when the copies it
     saves, ``(n - 1) * k`` tokens, reach ``min_shared_tokens``: below that, the per-segment
-    kernel launches and merges cost more than gathering it per row.
+    kernel launches and merges cost more than gathering it per path.
 
     Returns:
-        ``(shared, private)``: ``shared`` a list of ``(kv, row indices)``; ``private`` one list
-        per row of its other segments' KV tensors (as ``KVTree.match`` gave them: a node's own
+        ``(shared, private)``: ``shared`` a list of ``(kv, path indices)``; ``private`` one list
+        per path of its other segments' KV tensors (as ``KVTree.match`` gave them: a node's own
         ``kv`` when the whole edge is used, so its identity lasts across forwards; see
         :class:`.past_pool.PastPool`).
     """
     users: dict[tuple, list[int]] = {}
     kvs: dict[tuple, object] = {}
-    for i, r in enumerate(rows):
+    for i, r in enumerate(paths):
         for node, k, kv in r.segments:
             key = (id(node), k)
             users.setdefault(key, []).append(i)
@@ -103,44 +213,5 @@ def split_segments(rows: list[Row], min_shared_tokens: int):
             shared.append((kvs[key], idx))
             shared_keys.add(key)
     private = [[kv for node, k, kv in r.segments if (id(node), k) not in shared_keys]
-               for r in rows]
+               for r in paths]
     return shared, private
-
-
-def shared_prefixes(contexts: list[tuple[int, ...]], cached_length, min_gain: int = 2):
-    """Prefixes that two or more contexts share beyond their cached part (at least ``min_gain``
-    tokens beyond it), distinct and sorted; forwarding them once first saves re-forwarding them
-    for every context (e.g. the first step of particles that all extend one uncached prompt)."""
-    if len(contexts) < 2:
-        return []
-    order = sorted(contexts)  # equal contexts of several queries share all but their last token
-    lcp = [0] * len(order)  # lcp[i]: common prefix length of order[i-1] and order[i]
-    for i in range(1, len(order)):
-        a, b = order[i - 1], order[i]
-        n = min(len(a), len(b))
-        k = 0
-        while k < n and a[k] == b[k]:
-            k += 1
-        lcp[i] = k
-    found = set()
-    for i, tokens in enumerate(order):
-        share = max(lcp[i], lcp[i + 1] if i + 1 < len(order) else 0)
-        share = min(share, len(tokens) - 1)  # the last token is forwarded by the query itself
-        if share >= min_gain and share - cached_length(tokens[:share]) >= min_gain:
-            found.add(tokens[:share])
-    return sorted(found)
-
-
-def nesting_levels(prefixes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """Split sorted, distinct ``prefixes`` into levels: level k holds those with exactly k proper
-    prefixes among the others (a prefix sorts before its extensions, so one stack pass does it)."""
-    levels: list[list[tuple[int, ...]]] = []
-    stack: list[tuple[int, ...]] = []
-    for p in prefixes:
-        while stack and p[: len(stack[-1])] != stack[-1]:
-            stack.pop()
-        if len(stack) == len(levels):
-            levels.append([])
-        levels[len(stack)].append(p)
-        stack.append(p)
-    return levels

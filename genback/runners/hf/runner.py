@@ -17,13 +17,13 @@ from typing import Sequence
 
 import torch
 
-from ...query import Query
+from ...query import Prefill, Query, Score
 from . import tree_attention
 from .forward import dense_forward, tree_forward
 from .kvtree import KVTree
 from .lora import LoraAdapters
 from .past_pool import PastPool
-from .plan import Row, group_rows, nesting_levels, shared_prefixes
+from .plan import Output, Path, group_paths, plan_batch
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -149,17 +149,23 @@ class HFRunner:
     # -- the runner protocol ----------------------------------------------------------------------
 
     def run(self, queries: Sequence[Query]) -> list:
+        """One result per query (see :mod:`genback.query`), or the exception that fails only it."""
         by_adapter: dict = {}
         for i, q in enumerate(queries):
             by_adapter.setdefault(q.adapter, []).append(i)
         results: list = [None] * len(queries)
-        for adapter, indices in by_adapter.items():  # one adapter's queries at a time
-            self.lora.activate(adapter)
-            for i, out in zip(indices, self._run_one_adapter([queries[i] for i in indices])):
-                results[i] = out
+        try:
+            for adapter, indices in by_adapter.items():  # one adapter's queries at a time
+                self.lora.activate(adapter)
+                for i, out in zip(indices, self._answer([queries[i] for i in indices])):
+                    results[i] = out
+        finally:
+            self._evict()
         return results
 
-    def _run_one_adapter(self, queries: list[Query]) -> list:
+    def _answer(self, queries: list[Query]) -> list:
+        """Results of one adapter's queries: those too large for one forward in pieces, the
+        rest planned together (:func:`.plan.plan_batch`) and executed level by level."""
         results: list = [None] * len(queries)
         fit = []
         for i, q in enumerate(queries):
@@ -173,11 +179,15 @@ class HFRunner:
             else:
                 results[i] = self._run_pieces(q, pieces)
         if fit:
-            for i, out in zip(fit, self._run_fitting([queries[i] for i in fit])):
-                results[i] = out
-        else:
-            self._evict()
+            match = self._matcher(queries[fit[0]].adapter)
+            for level in plan_batch([queries[i] for i in fit], match):
+                for output, value in self._execute(level):
+                    results[fit[output.index]] = value
         return results
+
+    def _matcher(self, adapter):
+        tree = self.tree
+        return lambda tokens, limit: tree.match(tokens, limit, adapter=adapter)
 
     def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
         """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
@@ -208,41 +218,34 @@ class HFRunner:
                 f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
         # half the limit each for a prefill chunk and a target slice, which may share a forward
         chunk = max(1, limit // (2 * L * self._score_bytes))  # KV-only prefill: no logits
-        pieces = [Query(q.tokens[:end], (), q.adapter)
-                  for end in range(cached + chunk, L - n_out + 1, chunk)]
-        if not q.targets:  # a next-token row, a decoding step or a KV-only query: one position
+        pieces: list[Query] = [Prefill(q.tokens[:end], q.adapter)
+                               for end in range(cached + chunk, L - n_out + 1, chunk)]
+        if not isinstance(q, Score):  # a next-token row, a decoding step or a prefill
             return pieces + [q]
         step = max(1, limit // (2 * per_position))
         n = len(q.targets)
         for a in range(0, n, step):
             b = min(n, a + step)
-            pieces.append(Query(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
+            pieces.append(Score(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
         return pieces
 
     def _run_pieces(self, q: Query, pieces: list[Query]):
         """Run ``pieces`` (from :meth:`_pieces`) one forward each; return ``q``'s result (the
         target slices' log-probs, and greedy flags, joined in order)."""
-        parts = [self._run([piece], evict=False)[0] for piece in pieces]
-        if not q.targets:
+        parts = []
+        for piece in pieces:
+            match = self.tree.match(piece.tokens, len(piece.tokens) - piece.n_outputs,
+                                    adapter=piece.adapter)
+            path = Path(piece.tokens, piece.adapter, len(piece.tokens) - piece.n_outputs,
+                        [Output(0, piece, len(piece.tokens))], match)
+            (_, value), = self._execute([path])
+            parts.append(value)
+        if not isinstance(q, Score):
             return parts[-1]
-        parts = [p for p, piece in zip(parts, pieces) if piece.targets]
+        parts = [p for p, piece in zip(parts, pieces) if isinstance(piece, Score)]
         if q.greedy:
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         return torch.cat(parts)
-
-    def _run_fitting(self, queries: list[Query]) -> list:
-        adapter = queries[0].adapter
-        # a query forwards at least its tokens from len(tokens) - n_outputs on (their logits are
-        # needed), so what a prefill can save it is the part before: for a scoring query
-        # (context + continuation[:-1], continuation) its context without the last token
-        contexts = [q.tokens[: len(q.tokens) - q.n_outputs + 1] for q in queries]
-        shared = shared_prefixes(
-            contexts, lambda t: self.tree.match(t, touch=False, adapter=adapter)[1])
-        # prefill prefixes that several queries share but nobody has cached, once each; nested
-        # prefixes go in rounds, shortest first, so a longer one reuses the shorter one's KV
-        for level in nesting_levels(shared):
-            self._run([Query(prefix, (), adapter) for prefix in level])
-        return self._run(queries)
 
     def stats(self) -> dict:
         tree = self.tree
@@ -282,9 +285,8 @@ class HFRunner:
                     f"{self.tree.budget_bytes:,}: raise the budget or pin a shorter prompt")
         try:
             self.lora.activate(adapter)
-            query = Query(tokens, (), adapter)
-            for piece in self._pieces(query) or [query]:
-                self._run([piece], evict=False)
+            query = Prefill(tokens, adapter)
+            self._run_pieces(query, self._pieces(query) or [query])
             if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
                 n_layers, heads, dim, dtype, dev = self.layout
                 empty = torch.empty((n_layers, 2, heads, 0, dim), dtype=dtype, device=dev)
@@ -312,29 +314,32 @@ class HFRunner:
 
     # -- planning and forwards ----------------------------------------------------------------------
 
-    def _run(self, queries: list[Query], evict: bool = True) -> list:
-        rows: list[Row] = []
+    def _execute(self, level: list[Path]) -> list[tuple[Output, object]]:
+        """Run one level of a plan: match its paths that are not matched yet, hold their cached
+        nodes, forward them in groups (:func:`.plan.group_paths`) and commit each forward's new
+        KV to the tree at once (a batch's new KV is never all held at one time). Returns
+        ``(output, result)`` pairs."""
+        answered: list[tuple[Output, object]] = []
+        held = []
         try:
-            for q in queries:
-                # logits are needed from position len(tokens) - n_outputs on, so at least the
-                # tokens from there are forwarded even when their KV is cached
-                segments, cached, holder = self.tree.match(
-                    q.tokens, len(q.tokens) - q.n_outputs, adapter=q.adapter)
-                self.tree.acquire(holder)
-                rows.append(Row(q, segments, cached, holder))
-            todo = [r for r in rows if r.n_new > 0]  # a KV-only query may be cached already
-            for group in group_rows(todo, self.max_batch_tokens, self.max_forward_bytes,
-                                    self._score_bytes):
-                self._forward(group)
-                for r in group:  # commit each forward's KV at once: a batch's new KV is never
-                    self.tree.insert(r.query.tokens, r.cached, r.new_kv, r.query.adapter)
-                    r.new_kv = None  # all held at one time
+            for p in level:
+                if p.segments is None:  # (planned paths were matched, and touched, by the plan)
+                    p.segments, p.cached, p.holder = self.tree.match(p.tokens, p.limit,
+                                                                     adapter=p.adapter)
+                self.tree.acquire(p.holder)
+                held.append(p.holder)
+            todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
+            for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
+                                     self._score_bytes):
+                values, new_kv = self._forward(group)
+                answered.extend(zip((o for p in group for o in p.outputs), values))
+                for p, kv in zip(group, new_kv):
+                    self.tree.insert(p.tokens, p.cached, kv, p.adapter)
+            answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
-            for r in rows:
-                self.tree.release(r.holder)
-            if evict:
-                self._evict()
-        return [r.result for r in rows]
+            for holder in held:
+                self.tree.release(holder)
+        return answered
 
     def _evict(self) -> None:
         """Evict to the budget; every 64 MiB freed, hand the freed heap back to the OS (the
@@ -344,16 +349,20 @@ class HFRunner:
             _trim_host_memory()
             self._freed_since_trim = 0
 
-    def _forward(self, group: list[Row]) -> None:
+    def _forward(self, group: list[Path]) -> tuple[list, list]:
+        """Forward ``group``; return each output's result (paths' outputs in order) and each
+        path's new KV ``[layers, 2, kv_heads, n_new, dim]``."""
         if self.use_tree:
-            read = tree_forward(self.model, group, pad_id=self.pad_id, layout=self.layout,
+            values, new_kv, read = tree_forward(self.model, group, pad_id=self.pad_id, layout=self.layout,
                                 min_shared_tokens=self.min_shared_tokens, kernel=self.kernel,
                                 pool=self.pool)
             self.pool.trim(self.max_forward_bytes)
         else:
-            read = dense_forward(self.model, group, pad_id=self.pad_id, layout=self.layout)
+            values, new_kv, read = dense_forward(self.model, group, pad_id=self.pad_id,
+                                                 layout=self.layout)
         n_new = [r.n_new for r in group]
         self.forwards += 1
         self.tokens_forwarded += sum(n_new)
         self.padded_tokens_forwarded += len(group) * max(n_new)
         self.kv_bytes_read += read
+        return values, new_kv

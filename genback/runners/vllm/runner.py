@@ -30,15 +30,9 @@ from typing import Hashable
 import torch
 
 from ...batcher import BatcherClosed
-from ...query import Query, row_key
+from ...query import NextToken, Prefill, Query, Score
 from .engine import EngineLoop
 from .tap import TAP_KEY, RowSlots
-
-
-def query_key(q: Query) -> Hashable:
-    """The key identical in-flight queries share (as ``AsyncLM`` keys its batcher)."""
-    plain_row = q.targets is None and getattr(q, "pick", None) is None
-    return row_key(q) if plain_row else q
 
 
 class VLLMRunner:
@@ -129,18 +123,21 @@ class VLLMRunner:
 
     async def answer(self, q: Query):
         """The result of one query (see :class:`genback.query.Query`)."""
-        if getattr(q, "pick", None) is not None:
-            raise ValueError("the vLLM runner answers rows, not decoding picks (picks=False)")
         lora = self.lora_request(q.adapter)
-        if q.targets is None:
-            return await self._row(q.tokens, lora)
-        if q.targets == ():
-            await self._generate(q.tokens, self._kv_params, lora)
-            return None
-        prompt = q.tokens + q.targets[-1:]
-        out = await self._generate(prompt, self._prompt_params, lora)
-        logprobs, ranks = prompt_token_logprobs(out.prompt_logprobs, prompt, len(q.targets))
-        return (logprobs, ranks == 1) if getattr(q, "greedy", False) else logprobs
+        match q:
+            case NextToken():
+                return await self._row(q.tokens, lora)
+            case Prefill():
+                await self._generate(q.tokens, self._kv_params, lora)
+                return None
+            case Score():
+                prompt = q.tokens + q.targets[-1:]
+                out = await self._generate(prompt, self._prompt_params, lora)
+                logprobs, ranks = prompt_token_logprobs(out.prompt_logprobs, prompt,
+                                                        len(q.targets))
+                return (logprobs, ranks == 1) if q.greedy else logprobs
+        raise ValueError(f"the vLLM runner answers rows and scores, not {type(q).__name__} "
+                         "(picks=False)")
 
     async def _generate(self, prompt, params, lora=None):
         out = await self.engine.generate(prompt, params, lora_request=lora)
@@ -173,7 +170,7 @@ class VLLMRunner:
 
     def run(self, queries) -> list:
         """Answer queries from a blocking caller: all are sent at once, then awaited."""
-        futures = [self.engine.submit(self.engine.join(query_key(q), lambda q=q: self.answer(q),
+        futures = [self.engine.submit(self.engine.join(q, lambda q=q: self.answer(q),
                                                        q.adapter))
                    for q in queries]
         try:
@@ -204,7 +201,7 @@ class VLLMRunner:
         await self.engine.engine.reset_prefix_cache()
 
     def pin(self, tokens, adapter: int | None = None) -> None:
-        self.run([Query(tuple(tokens), (), adapter)])  # its full blocks enter the prefix cache
+        self.run([Prefill(tuple(tokens), adapter)])  # its full blocks enter the prefix cache
 
     def close(self) -> None:
         self.engine.close()
@@ -259,9 +256,8 @@ class Dispatcher:
         result = await runner.engine.run(runner.engine.join(key, lambda: runner.answer(query),
                                                             query.adapter))
         runner.flush_warnings()
-        if query.targets is None and getattr(query, "pick", None) is None \
-                and self.adapter_error(query.adapter) is None:
-            self.output_cache.put(row_key(query), result)
+        if type(query) is NextToken and self.adapter_error(query.adapter) is None:
+            self.output_cache.put(query, result)
         return result
 
     def reset(self, exc: BaseException | None = None) -> int:

@@ -1,0 +1,171 @@
+"""Batch planning by tree paths: nested prefixes answered by one path (forwards counted), each
+query matched against the tree once, plans as plain data, exact against uncached forwards; the
+C-level common-prefix helper against brute force; the front's memory of validated contexts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genback.llm import AsyncTransformer
+from genback.llm.inputs import ContextChecker
+from genback.query import NextToken, Prefill, Score
+from genback.runners.hf.kvtree import KVTree, common_prefix_length
+from genback.runners.hf.plan import plan_batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40),
+       st.data())
+def test_common_prefix_length_matches_brute_force(a, b, data):
+    brute = 0
+    while brute < min(len(a), len(b)) and a[brute] == b[brute]:
+        brute += 1
+    start = data.draw(st.integers(0, brute))
+    assert common_prefix_length(tuple(a), tuple(b), start) == brute
+
+
+def _tree_with(tokens: tuple, n_layers=1) -> KVTree:
+    tree = KVTree(1 << 30)
+    tree.insert(tokens, 0, torch.zeros((n_layers, 2, 1, len(tokens), 1)))
+    return tree
+
+
+def test_nested_prefixes_plan_as_one_path_with_an_output_per_prefix():
+    prompt = tuple(range(100, 110))
+    seq = tuple(range(500, 756))  # 256 tokens
+    tree = _tree_with(prompt)
+    queries = [NextToken(prompt + seq[:i]) for i in range(1, 257)]
+    plan = plan_batch(queries, lambda t, limit: tree.match(t, limit))
+    assert len(plan) == 1 and len(plan[0]) == 1  # one level, one path
+    path = plan[0][0]
+    assert path.tokens == prompt + seq and path.cached == len(prompt)
+    assert sorted(o.end for o in path.outputs) == [len(prompt) + i for i in range(1, 257)]
+    assert {o.index for o in path.outputs} == set(range(256))
+
+
+def test_branching_batch_prefills_the_shared_uncached_prefix_first():
+    prompt = tuple(range(100, 140))
+    queries = [NextToken(prompt + (1,)), NextToken(prompt + (2,)),
+               Score(prompt + (3, 4), (4, 5)), NextToken(prompt[:20])]
+    plan = plan_batch(queries, lambda t, limit: KVTree(1 << 20).match(t, limit))
+    *prefills, answers = plan
+    assert [[p.tokens for p in level] for level in prefills] == [[prompt]]
+    assert all(not p.outputs for level in prefills for p in level)
+    # prompt[:20] is a prefix of the others: answered by one of their paths, not its own
+    assert len(answers) == 3
+    assert sorted(o.index for p in answers for o in p.outputs) == [0, 1, 2, 3]
+    assert all(p.segments is None for p in answers)  # matched when their level runs
+
+
+def test_each_query_of_a_step_is_matched_against_the_tree_once(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    prompt = list(range(1000, 1100))
+    particles = [prompt + [p] for p in range(16)]
+    lm.batch_next_token_logprobs_sync(particles)
+    calls = []
+    match = lm._runner.tree.match
+    lm._runner.tree.match = lambda *a, **k: calls.append(1) or match(*a, **k)
+    try:
+        particles = [c + [7] for c in particles]
+        forwards = lm.forwards
+        lm.batch_next_token_logprobs_sync(particles)
+        assert len(calls) == 16 and lm.forwards == forwards + 1
+    finally:
+        lm._runner.tree.match = match
+        lm.close()
+
+
+async def test_nested_prefixes_cost_one_forward_and_are_exact(tiny_hf, gpt2_tok):
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    try:
+        prompt = list(range(300, 340))
+        lm.cache_kv(prompt)
+        seq = [(7 * i + 11) % 5000 for i in range(200)]
+        contexts = [prompt + seq[:i] for i in range(201)]  # the prompt itself, then extensions
+        forwards, tokens = lm.forwards, lm.tokens_forwarded
+        rows = await lm.batch_next_token_logprobs(contexts)
+        assert lm.forwards - forwards == 1
+        # the 200 tokens once, plus the prompt's last token for the prompt's own row
+        assert lm.tokens_forwarded - tokens == len(seq) + 1
+        for i in (0, 1, 57, 199, 200):
+            ref = lm.next_token_logprobs_uncached(contexts[i])
+            torch.testing.assert_close(rows[i], ref, rtol=0, atol=1e-5)
+        lps = await lm.token_logprobs(prompt, seq)
+        picked = rows[torch.arange(200), torch.tensor(seq)]
+        torch.testing.assert_close(picked, lps, rtol=0, atol=1e-5)
+    finally:
+        await lm.aclose()
+
+
+async def test_nested_rows_scores_and_prefills_share_one_path(tiny_hf, gpt2_tok):
+    """Different kinds on one sequence: rows at prefixes, a score of a middle slice and a
+    prefill of a prefix are all answered by the one path over the longest."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    try:
+        seq = [(13 * i + 5) % 5000 for i in range(60)]
+        row_a, row_b, (lp, greedy), _ = await asyncio.gather(
+            lm.next_token_logprobs(seq[:20]), lm.next_token_logprobs(seq),
+            lm.score(seq[:30], seq[30:45]), asyncio.to_thread(lambda: None))
+        assert lm.forwards == 1 and lm.tokens_forwarded == 60
+        torch.testing.assert_close(row_a, lm.next_token_logprobs_uncached(seq[:20]),
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(row_b, lm.next_token_logprobs_uncached(seq), rtol=0, atol=1e-5)
+        refs = [lm.next_token_logprobs_uncached(seq[:k]) for k in range(30, 45)]
+        torch.testing.assert_close(lp, torch.stack([r[t] for r, t in zip(refs, seq[30:45])]),
+                                   rtol=0, atol=1e-5)
+        assert greedy.tolist() == [int(r.argmax()) == t for r, t in zip(refs, seq[30:45])]
+    finally:
+        await lm.aclose()
+
+
+async def test_nested_prefixes_on_smollm2_match_token_logprobs(smol_hf):
+    """genlm-control's PromptedLLM.log_probability shape on the real model: every prefix of a
+    sequence in one batch, one forward, rows agreeing with token_logprobs and uncached rows."""
+    model, tok = smol_hf
+    lm = AsyncTransformer(model, tok)
+    try:
+        prompt = tok.encode("The capital of France is")
+        seq = tok.encode(" Paris. It is known for the Eiffel Tower and its museums.")
+        rows = await lm.batch_next_token_logprobs([prompt + seq[:i] for i in range(len(seq))])
+        assert lm.forwards == 1
+        lps = await lm.token_logprobs(prompt, seq)
+        picked = rows[torch.arange(len(seq)), torch.tensor(seq)]
+        torch.testing.assert_close(picked, lps, rtol=0, atol=1e-4)
+        assert abs(float(rows[0][tok.encode(" Paris")[0]]) - -0.258) < 0.01
+        ref = lm.next_token_logprobs_uncached(prompt + seq[:5])
+        torch.testing.assert_close(rows[5], ref, rtol=0, atol=1e-4)
+    finally:
+        await lm.aclose()
+
+
+def test_prefill_level_paths_do_not_reach_past_a_nested_output():
+    """A query nested in a path whose shared prefix is prefilled first still gets its own
+    position: the path's cached prefix is limited to the first position an output needs."""
+    prompt = tuple(range(100, 130))
+    queries = [NextToken(prompt + (1,)), NextToken(prompt + (1, 2, 3)),
+               NextToken(prompt + (1, 2, 4))]
+    plan = plan_batch(queries, lambda t, limit: KVTree(1 << 20).match(t, limit))
+    paths = plan[-1]
+    holder = next(p for p in paths if any(o.index == 0 for o in p.outputs))
+    assert holder.limit <= len(prompt)  # position of the token 1: where query 0 needs logits
+
+
+def test_context_checker_checks_only_the_new_token_of_an_extension():
+    check = ContextChecker(vocab_size=100)
+    base = check(list(range(50)))
+    assert check(list(range(50)) + [7]) == base + (7,)
+    with pytest.raises(ValueError, match=r"token_ids\[50\] = 100"):
+        check(list(range(50)) + [100])
+    with pytest.raises(TypeError, match=r"token_ids\[50\] must be an int"):
+        check(list(range(50)) + [8.0])
+    with pytest.raises(TypeError, match=r"token_ids\[0\] must be an int"):
+        check([True, 2])
+    # a context equal to a validated one comes back as the validated ints, never as floats
+    again = check([float(i) for i in range(50)])
+    assert again == base and all(type(t) is int for t in again)
+    assert isinstance(Prefill((1, 2)), Prefill)
