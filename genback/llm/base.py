@@ -189,13 +189,17 @@ class AsyncLM(QueueHooks, Decoding):
     # -- queries ----------------------------------------------------------------------------------
 
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
-        ids = self._contexts(token_ids, name)
+        return self._check_context(token_ids, name)[0]
+
+    def _check_context(self, token_ids, name="token_ids") -> tuple[tuple[int, ...], int]:
+        """``(ids, hash(ids))`` of a checked context (see :class:`.inputs.ContextChecker`)."""
+        ids, h = self._contexts.check(token_ids, name)
         if self.max_context_length and len(ids) > self.max_context_length:
             raise ValueError(
                 f"{name} has {len(ids)} tokens, more than the model's context of "
                 f"{self.max_context_length}"
             )
-        return ids
+        return ids, h
 
     def _check_open(self) -> None:
         if self._batcher.closed:
@@ -223,7 +227,8 @@ class AsyncLM(QueueHooks, Decoding):
             BatcherClosed: the model was closed or reset while the query waited.
         """
         adapter = self._lora_key(lora_name)
-        query = NextToken(self._check_ids(token_ids), adapter)
+        ids, h = self._check_context(token_ids)
+        query = NextToken(ids, adapter, h)
         self._check_open()
         self._count(len(query.tokens))
         row = self._output_cache.get(query)

@@ -45,10 +45,10 @@ class Decoding:
         adapter = self._lora_key(lora_name)
         if not isinstance(pick, Pick):
             raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
-        key = self._check_ids(token_ids)
+        key, h = self._check_context(token_ids)
         self._check_open()
         self._count(len(key))
-        row_query = NextToken(key, adapter)
+        row_query = NextToken(key, adapter, h)
         row = self._output_cache.get(row_query)
         if row is None and getattr(self._runner, "picks", False):
             query = Step(key, pick, adapter, _tokens_hash=row_query.tokens_hash)

@@ -64,10 +64,11 @@ class ContextChecker:
     """:func:`check_token_ids` for contexts, with a memory of the contexts it validated.
 
     A context equal to one validated recently, or extending one by a single token (an SMC step,
-    a decoding step), is checked in work independent of its length: a tuple, its hash and one
-    comparison in C, plus the new token's check, instead of a pass over every id in Python. The
-    validated tuple itself is returned (equal ids that are not plain ints, such as NumPy ints,
-    come back as the ints validated before).
+    a decoding step), is checked in work independent of its length in Python: a tuple, its hash
+    and one comparison, all in C, plus the new token's check, instead of a pass over every id.
+    The validated tuple itself is returned (equal ids that are not plain ints, such as NumPy
+    ints, come back as the ints validated before), with its hash, so a query built from it never
+    hashes the context again.
 
     Args:
         vocab_size: ids must lie in ``[0, vocab_size)``.
@@ -75,41 +76,56 @@ class ContextChecker:
             the memory holds references to tuples that the output cache and queries mostly hold
             anyway.
 
-    Not thread-safe beyond the GIL's atomic dict operations: a lost update only costs a full
-    check later.
+    Thread-safe for its purpose: a lost update under concurrent use only costs a full check.
     """
 
     def __init__(self, vocab_size: int, max_contexts: int = 4096):
         self.vocab_size = vocab_size
         self.max_contexts = max_contexts
-        self._seen: OrderedDict[tuple, tuple] = OrderedDict()  # context -> the validated tuple
+        # hash(context) -> the validated context (keyed by an int: a dict lookup by a long tuple
+        # costs several times its hash plus one comparison)
+        self._seen: OrderedDict[int, tuple] = OrderedDict()
 
     def __call__(self, token_ids, name: str = "token_ids") -> tuple[int, ...]:
         """Checked ``token_ids`` as a tuple of ints; raises as :func:`check_token_ids`."""
+        return self.check(token_ids, name)[0]
+
+    def check(self, token_ids, name: str = "token_ids") -> tuple[tuple[int, ...], int]:
+        """``(ids, hash(ids))``: checked ``token_ids`` as a tuple of ints and its hash.
+
+        Raises:
+            TypeError / ValueError: as :func:`check_token_ids`.
+        """
         kind = type(token_ids)
         if kind is list or kind is tuple:
             ids = token_ids if kind is tuple else tuple(token_ids)
-            seen = self._seen
             try:
-                hit = seen.get(ids)
-                if hit is None and len(ids) > 1:
-                    parent = seen.get(ids[:-1])
-                    last = ids[-1]
-                    if parent is not None and type(last) is int and 0 <= last < self.vocab_size:
-                        hit = parent + (last,)
+                h = hash(ids)
             except TypeError:  # an unhashable element: the full check names it
-                hit = None
-            if hit is not None:
-                self._remember(hit)
-                return hit
+                h = None
+            if h is not None:
+                seen = self._seen
+                hit = seen.get(h)
+                if hit is not None and hit == ids:
+                    seen.move_to_end(h)
+                    return hit, h
+                last = ids[-1] if ids else None
+                if type(last) is int and 0 <= last < self.vocab_size:
+                    parent = ids[:-1]
+                    hit = seen.get(hash(parent))
+                    if hit is not None and hit == parent:
+                        ids = hit + (last,)  # equal to the caller's ids: the same hash
+                        self._remember(h, ids)
+                        return ids, h
         ids = check_token_ids(token_ids, self.vocab_size, name)
-        self._remember(ids)
-        return ids
+        h = hash(ids)
+        self._remember(h, ids)
+        return ids, h
 
-    def _remember(self, ids: tuple) -> None:
+    def _remember(self, h: int, ids: tuple) -> None:
         seen = self._seen
-        seen[ids] = ids
-        seen.move_to_end(ids)
+        seen[h] = ids
+        seen.move_to_end(h)
         if len(seen) > self.max_contexts:
             seen.popitem(last=False)
 
