@@ -39,8 +39,9 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
 - ``worker/q``: CPU time of the worker thread(s) outside the model's forward (worker CPU minus forward
   CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
 - ``other/q``: process CPU minus caller and worker CPU (other threads; ~0 expected);
-- ``idle/q`` = host/q - caller/q - worker/q - other/q: wall time no thread of this process ran outside
-  the forward (batch window, waiting for the CPU on a shared machine);
+- ``idle/q`` = host/q - caller/q - worker/q - other/q: wall time in which no thread of this process
+  ran outside the forward: the batcher's window (about 2 ms per batch: ~125 µs/q at 16 particles),
+  and waiting for the core while other processes run on it (a shared machine);
 - ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
   ``err``: max abs difference between the last step's rows of two particles and an uncached fp32
   forward of their contexts.
