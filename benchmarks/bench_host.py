@@ -1,0 +1,402 @@
+"""Host cost per query: what genback spends around the model's forward, at SMC scale (issue 20).
+
+**Part 1: SMC steps.** For each cell (N particles x context tokens) a fresh ``AsyncTransformer``
+serves an SMC-shaped trace through the public API only:
+
+- a shared prompt of ``context`` tokens; warm-up steps (not measured): every particle asks the
+  prompt's next-token row (the prefill, so the KV tree holds the prompt), then ``--warmup``
+  ordinary steps;
+- ``--steps`` measured steps: ``await asyncio.gather(*(lm.next_token_logprobs(p) for p in
+  particles))``; then (untimed) each particle samples its next token from its row (seeded) and
+  every ``--resample`` steps the particles are resampled (multinomial on the sampled tokens'
+  log-probs, seeded), so particles copy each other's contexts and the contexts repeat and branch.
+
+Models: ``tiny`` is a random-weight ``LlamaForCausalLM`` (2 layers, hidden 64, 4 heads, 2 KV heads,
+``max_position_embeddings`` 16,384) over a byte-level BPE vocabulary of ``--vocab`` (512) tokens that
+this script trains with the ``tokenizers`` library on standard-library docstrings (deterministic for a
+Python version, offline), so the forward, the log-softmax and the row copies cost little and what is
+left is host work. ``smollm2`` is SmolLM2-135M-Instruct in fp32 (its forward dominates).
+
+What is measured, per measured step (all clocks are read on the caller's thread, except the two hooks):
+
+- ``wall``: ``time.perf_counter()`` around the ``gather`` (submit of the first query to resolution of
+  the last future).
+- ``forward``: the model's ``forward``, timed by a forward pre-hook and a forward hook on the top-level
+  model module (``perf_counter`` wall and ``time.thread_time()`` CPU of the thread that runs it), summed
+  over the calls in the step. Everything the model's forward runs is "inside", including genback's
+  tree-attention function (it is called by the attention layers) and its head pre-hook.
+- CPU time per thread: ``time.thread_time()`` of the caller's (event-loop) thread; for every other live
+  thread, its CPU clock (``time.pthread_getcpuclockid``); the *worker* threads are those that ran a model
+  forward (the hook records ``threading.get_ident()``); ``time.process_time()`` for the whole process.
+
+Reported per query (µs, summed over measured steps and divided by N x steps):
+
+- ``wall/q``; ``fwd/q`` (forward wall time);
+- ``host/q`` = (wall - forward wall) / queries: everything that is not the model's forward, including
+  time the batcher waits for its window (``batch_window``, 2 ms by default) and time taken by other
+  processes on a shared core;
+- ``caller/q``: CPU time of the event-loop thread (query submission, output cache, futures, asyncio);
+- ``worker/q``: CPU time of the worker thread(s) outside the model's forward (worker CPU minus forward
+  CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
+- ``other/q``: process CPU minus caller and worker CPU (other threads; ~0 expected);
+- ``idle/q`` = host/q - caller/q - worker/q - other/q: wall time in which no thread of this process
+  ran outside the forward: the batcher's window (about 2 ms per batch: ~125 µs/q at 16 particles),
+  and waiting for the core while other processes run on it (a shared machine);
+- ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
+  ``err``: max abs difference between the last step's rows of two particles and an uncached fp32
+  forward of their contexts.
+
+CPU times are what genback costs on the host independently of other load on the machine; wall-based
+numbers also include waits. Pin to one core (``taskset -c 1``) so that the two threads never overlap.
+
+**Part 2: nested prefixes** (``--nested-len``, 256): ``lm.batch_next_token_logprobs([prompt + seq[:i]
+for i in range(n)])`` (what genlm-control's ``PromptedLLM.log_probability`` sends) against
+``lm.token_logprobs(prompt, seq)`` of the same sequence, each from a fresh model state
+(``clear_cache()`` + ``clear_kv_cache()``): wall seconds, ``cache_info()["forwards"]`` of each, the
+wall ratio, and the max abs difference between ``rows[i][seq[i]]`` and ``token_logprobs[i]``.
+
+Run: ``taskset -c 1 python benchmarks/bench_host.py`` (tiny model, full grid), ``--model smollm2``
+(a smaller default grid), ``--particles 16 256 --contexts 100 4000 --steps 8``, ``--quick`` (tiny
+model, smallest grid, a few seconds), ``--no-nested`` / ``--no-smc`` for one part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import threading
+import time
+import warnings
+
+import torch
+
+TEXT_MODULES = ["json", "argparse", "asyncio", "collections", "functools", "itertools", "pathlib",
+                "subprocess", "threading", "unittest", "logging", "email", "decimal", "fractions",
+                "zipfile", "tarfile", "csv", "textwrap", "difflib", "heapq", "bisect", "statistics",
+                "calendar", "datetime", "random", "string", "codecs", "pickle", "shutil", "socket"]
+DEFAULT_GRID = {"tiny": ([16, 256, 1024], [100, 1000, 4000, 16000]),
+                "smollm2": ([16, 256], [100, 1000, 4000])}
+
+
+def corpus(min_chars: int = 150_000) -> str:
+    """Prose from the standard library's docstrings (module docs, then their members' in name order),
+    whitespace-normalised; deterministic for a Python version and available offline."""
+    parts, total = [], 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mods = [importlib.import_module(m) for m in TEXT_MODULES]
+        docs = [m.__doc__ for m in mods] + [getattr(v, "__doc__", None) for m in mods
+                                             for _, v in sorted(vars(m).items())]
+    for doc in docs:
+        if isinstance(doc, str) and doc.strip():
+            text = " ".join(doc.split())
+            parts.append(text)
+            total += len(text) + 1
+            if total >= min_chars:
+                break
+    return " ".join(parts)
+
+
+def tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE of ``vocab_size`` tokens trained on :func:`corpus`, as a transformers
+    ``PreTrainedTokenizerFast`` (eos ``<|endoftext|>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = corpus()
+    tok.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def tiny_model(vocab_size: int, max_positions: int = 16_384, seed: int = 0):
+    """A random 2-layer Llama (hidden 64), fp32, whose forward costs little."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions, eos_token_id=0, bos_token_id=0,
+                         pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from genback.registry import resolve
+
+    path = resolve("smollm2-135m")
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(path))
+
+
+def load(name: str, vocab: int = 512):
+    """``(model, tokenizer)`` for ``tiny`` or ``smollm2``."""
+    if name == "tiny":
+        tok = tiny_tokenizer(vocab)
+        return tiny_model(len(tok)), tok
+    return smollm2()
+
+
+def text_ids(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of :func:`corpus` (repeated if it is too short)."""
+    ids = tokenizer.encode(corpus(), add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+# -- clocks -----------------------------------------------------------------------------------
+
+class ForwardTimer:
+    """Times the model's ``forward`` with a pre-hook and a hook on the top-level module: wall
+    (``perf_counter``) and CPU (``thread_time`` of the thread that runs it), and which threads."""
+
+    def __init__(self, model):
+        self.wall = self.cpu = 0.0
+        self.calls = 0
+        self.threads: set[int] = set()
+        self._start = threading.local()
+        self._handles = [model.register_forward_pre_hook(self._pre),
+                         model.register_forward_hook(self._post)]
+
+    def _pre(self, module, args):
+        self._start.t = (time.perf_counter(), time.thread_time())
+
+    def _post(self, module, args, output):
+        wall, cpu = self._start.t
+        self.wall += time.perf_counter() - wall
+        self.cpu += time.thread_time() - cpu
+        self.calls += 1
+        self.threads.add(threading.get_ident())
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of every live thread but the caller's, by ``threading.get_ident()``."""
+    out = {}
+    me = threading.get_ident()
+    for t in threading.enumerate():
+        if t.ident is None or t.ident == me:
+            continue
+        try:
+            out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (OSError, ValueError, OverflowError):
+            pass
+    return out
+
+
+class StepClock:
+    """Accumulates the clocks of the measured steps (see the module docstring)."""
+
+    FIELDS = ("wall", "fwd_wall", "fwd_cpu", "caller", "worker", "process", "forwards",
+              "queries", "steps")
+
+    def __init__(self, timer: ForwardTimer, lm):
+        self.timer, self.lm = timer, lm
+        self.t = dict.fromkeys(self.FIELDS, 0.0)
+
+    async def step(self, contexts):
+        timer, lm = self.timer, self.lm
+        f0, fw0, fc0 = lm.cache_info()["forwards"], timer.wall, timer.cpu
+        threads0 = _thread_cpu()
+        p0, c0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        w1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+        threads1 = _thread_cpu()
+        t = self.t
+        t["wall"] += w1 - w0
+        t["caller"] += c1 - c0
+        t["process"] += p1 - p0
+        t["fwd_wall"] += timer.wall - fw0
+        t["fwd_cpu"] += timer.cpu - fc0
+        t["worker"] += sum(threads1[i] - threads0.get(i, 0.0) for i in threads1
+                           if i in timer.threads)
+        t["forwards"] += lm.cache_info()["forwards"] - f0
+        t["queries"] += len(contexts)
+        t["steps"] += 1
+        return rows
+
+    def per_query(self) -> dict:
+        t, q = self.t, max(self.t["queries"], 1)
+        us = 1e6 / q
+        host = t["wall"] - t["fwd_wall"]
+        worker = t["worker"] - t["fwd_cpu"]
+        other = t["process"] - t["caller"] - t["worker"]
+        return dict(wall=t["wall"] * us, fwd=t["fwd_wall"] * us, host=host * us,
+                    caller=t["caller"] * us, worker=worker * us, other=other * us,
+                    idle=(host - t["caller"] - worker - other) * us,
+                    share=host / t["wall"] if t["wall"] else 0.0,
+                    fwd_per_step=t["forwards"] / max(t["steps"], 1), queries=int(t["queries"]))
+
+
+# -- part 1: SMC steps -------------------------------------------------------------------------
+
+def reference_rows(model, contexts) -> list[torch.Tensor]:
+    """Uncached fp32 next-token log-prob rows of ``contexts`` (one forward each)."""
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([c])).logits[0, -1].float(), -1)
+                for c in contexts]
+
+
+async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
+                   resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None) -> dict:
+    """One cell of part 1 on a fresh ``AsyncTransformer``; returns the per-query numbers, plus
+    ``answered`` (rows returned by measured steps), ``rows_ok`` (each row a log-normalised
+    vector of the logit width), ``err`` and ``info`` (``cache_info()`` at the end)."""
+    from genback.llm import AsyncTransformer
+
+    lm = AsyncTransformer(model, tok, **(lm_kwargs or {}))
+    timer = ForwardTimer(model)
+    clock = StepClock(timer, lm)
+    gen = torch.Generator().manual_seed(seed)
+    width = model.get_output_embeddings().weight.shape[0]
+    parts = [text_ids(tok, context)] * n
+    answered, rows_ok = 0, True
+    try:
+        for step in range(warmup + 1 + steps):
+            if step <= warmup:  # the prompt's prefill, then warm-up steps: not measured
+                rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+            else:
+                rows = await clock.step(parts)
+                answered += len(rows)
+                for r in rows:
+                    rows_ok &= (r.shape == (width,) and r.dtype == torch.float32 and
+                                abs(float(torch.logsumexp(r.double(), 0))) < 1e-4)
+            if step == warmup + steps:
+                break
+            lps = torch.stack(rows)
+            nxt = torch.multinomial(lps.exp(), 1, generator=gen)[:, 0]
+            logw = lps.gather(1, nxt[:, None])[:, 0]
+            parts = [p + [int(t)] for p, t in zip(parts, nxt)]
+            if (step + 1) % resample == 0:
+                idx = torch.multinomial(torch.softmax(logw, 0), n, replacement=True,
+                                        generator=gen)
+                parts = [parts[i] for i in idx.tolist()]
+        info = lm.cache_info()
+    finally:
+        timer.remove()
+        await lm.aclose()
+    picked = [0, n - 1][:check]
+    refs = reference_rows(model, [parts[i] for i in picked])
+    err = max((float((rows[i] - ref).abs().max()) for i, ref in zip(picked, refs)), default=0.0)
+    distinct = len({tuple(p) for p in parts})
+    return dict(clock.per_query(), n=n, context=context, steps=steps, answered=answered,
+                rows_ok=rows_ok, err=err, info=info, distinct_last=distinct)
+
+
+# -- part 2: nested prefixes ------------------------------------------------------------------
+
+async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
+    """The ``length`` prefixes of one ``length``-token sequence as one batch, against
+    ``token_logprobs`` of that sequence; fresh state before each side."""
+    from genback.llm import AsyncTransformer
+
+    ids = text_ids(tok, prompt_len + length + 500)
+    prompt, seq = ids[:prompt_len], ids[500:500 + length]
+    lm = AsyncTransformer(model, tok)
+    try:
+        await lm.next_token_logprobs(ids[-8:])  # warm the model and the worker, then forget it
+        out = {}
+        for side in ("batch", "token_logprobs"):
+            lm.clear_cache()
+            lm.clear_kv_cache()
+            f0 = lm.cache_info()["forwards"]
+            t = time.perf_counter()
+            if side == "batch":
+                rows = await lm.batch_next_token_logprobs([prompt + seq[:i] for i in range(length)])
+            else:
+                lps = await lm.token_logprobs(prompt, seq)
+            out[side] = dict(wall=time.perf_counter() - t,
+                             forwards=lm.cache_info()["forwards"] - f0)
+    finally:
+        await lm.aclose()
+    picked = rows[torch.arange(length), torch.tensor(seq)]
+    return dict(length=length, prompt=prompt_len, batch=out["batch"], score=out["token_logprobs"],
+                ratio=out["batch"]["wall"] / out["token_logprobs"]["wall"],
+                diff=float((picked - lps).abs().max()), rows=tuple(rows.shape))
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | caller/q µs | "
+          "worker/q µs | other/q µs | idle/q µs | host % | fwd/step | err |")
+
+
+def row_md(model: str, r: dict) -> str:
+    return (f"| {model} | {r['n']} | {r['context']} | {r['queries']} | {r['wall']:.0f} | "
+            f"{r['fwd']:.0f} | {r['host']:.0f} | {r['caller']:.0f} | {r['worker']:.0f} | "
+            f"{r['other']:.0f} | {r['idle']:.0f} | {100 * r['share']:.0f} | "
+            f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
+
+
+def nested_md(model: str, r: dict) -> str:
+    b, s = r["batch"], r["score"]
+    return (f"| {model} | {r['length']} | {b['wall']:.2f} | {b['forwards']} | {s['wall']:.2f} | "
+            f"{s['forwards']} | {r['ratio']:.1f} | {r['diff']:.1e} |")
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--particles", type=int, nargs="+")
+    p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--resample", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=512, help="tiny model's BPE vocabulary")
+    p.add_argument("--nested-len", type=int, default=256)
+    p.add_argument("--no-nested", action="store_true")
+    p.add_argument("--no-smc", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model = "tiny"
+        args.particles = args.particles or [16]
+        args.contexts = args.contexts or [100, 1000]
+        args.steps, args.warmup, args.nested_len = 3, 1, 64
+    grid = DEFAULT_GRID[args.model]
+    args.particles = args.particles or grid[0]
+    args.contexts = args.contexts or grid[1]
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark; print markdown tables as cells finish; return the results."""
+    args = parse(argv)
+    torch.set_num_threads(1)
+    model, tok = load(args.model, args.vocab)
+    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()):,} params, "
+          f"vocab {len(tok)}, torch threads {torch.get_num_threads()}, steps {args.steps} "
+          f"(after {args.warmup} warm-up), resample every {args.resample}", flush=True)
+    results = {"smc": [], "nested": None}
+    if not args.no_smc:
+        print("\n" + HEADER + "\n" + "|---" * (HEADER.count("|") - 1) + "|", flush=True)
+        for n in args.particles:
+            for ctx in args.contexts:
+                r = asyncio.run(smc_cell(model, tok, n, ctx, steps=args.steps,
+                                         warmup=args.warmup, resample=args.resample,
+                                         seed=args.seed))
+                results["smc"].append(r)
+                print(row_md(args.model, r), flush=True)
+    if not args.no_nested:
+        r = asyncio.run(nested(model, tok, args.nested_len))
+        results["nested"] = r
+        print("\n| model | prefixes | batch s | batch forwards | token_logprobs s | "
+              "token_logprobs forwards | ratio | max diff |\n|---|---|---|---|---|---|---|---|")
+        print(nested_md(args.model, r), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

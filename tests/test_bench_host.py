@@ -1,0 +1,89 @@
+"""Smoke test of ``benchmarks/bench_host.py``: its ``--quick`` path runs in-process on the tiny
+model; asserts on the work done and the answers, never on time."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_host", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(bench):
+    return bench.load("tiny", 512)
+
+
+def test_tiny_tokenizer_is_a_trained_bpe(bench, tiny):
+    model, tok = tiny
+    assert len(tok) == 512 == model.get_output_embeddings().weight.shape[0]
+    text = "The miller moved his sacks of grain to the loft."
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()) / 1.5  # merges learnt, not bytes
+    assert model.config.max_position_embeddings >= 16_100
+    assert len(bench.text_ids(tok, 3000)) == 3000
+
+
+def test_quick_run_answers_every_query(bench, capsys):
+    results = bench.main(["--quick"])
+    out = capsys.readouterr().out
+    args = bench.parse(["--quick"])
+    assert [(r["n"], r["context"]) for r in results["smc"]] == [
+        (n, c) for n in args.particles for c in args.contexts]
+    for r in results["smc"]:
+        assert r["answered"] == r["queries"] == r["n"] * args.steps
+        assert r["rows_ok"]
+        assert r["err"] <= 1e-5
+        assert r["fwd_per_step"] >= 1
+        assert all(math.isfinite(r[k]) for k in ("wall", "fwd", "host", "caller", "worker"))
+        assert r["info"]["queries"] >= r["queries"]
+    nested = results["nested"]
+    assert nested["rows"] == (args.nested_len, 512)
+    assert nested["score"]["forwards"] == 1
+    assert nested["diff"] <= 1e-5
+    assert out.count("| tiny |") == len(results["smc"]) + 1
+
+
+def test_cell_rows_match_an_uncached_forward(bench, tiny):
+    """The clocks wrap the public API without changing what it answers: a measured step's
+    rows equal an uncached forward's, and the hooks saw the forwards genback counted."""
+    from genback.llm import AsyncTransformer
+
+    model, tok = tiny
+    torch.set_num_threads(1)
+
+    async def run():
+        lm = AsyncTransformer(model, tok)
+        timer = bench.ForwardTimer(model)
+        clock = bench.StepClock(timer, lm)
+        prompt = bench.text_ids(tok, 200)
+        contexts = [prompt + [5], prompt + [7], prompt + [5], prompt]
+        try:
+            await lm.next_token_logprobs(prompt)
+            f0, calls0 = lm.cache_info()["forwards"], timer.calls
+            rows = await clock.step(contexts)
+            forwards, calls = lm.cache_info()["forwards"] - f0, timer.calls - calls0
+        finally:
+            timer.remove()
+            await lm.aclose()
+        return contexts, rows, forwards, calls, clock.per_query()
+
+    contexts, rows, forwards, calls, pq = asyncio.run(run())
+    assert forwards >= 1 and calls >= forwards
+    assert pq["queries"] == 4
+    for row, ref in zip(rows, bench.reference_rows(model, contexts)):
+        assert torch.allclose(row, ref, atol=1e-5, rtol=0)
