@@ -17,9 +17,10 @@ key of a LoRA adapter: the same tokens under two adapters are two different quer
 ``n_outputs`` (how many positions' logits it needs: the last ``n_outputs`` positions of
 ``tokens``). Runners dispatch on the kind once (``match``/``isinstance``).
 
-Queries are immutable and hashable; the hash of ``tokens`` (work proportional to the context, in C)
-is computed once per query and kept, so the output cache, the batcher and the runner's maps never
-hash a context again.
+Queries are immutable and hashable. Their hash covers a context's length and last
+:data:`HASH_TAIL` tokens only (:func:`context_hash`), so it costs the same for 100 tokens as for
+16,000; equality still compares whole contexts (in C), so two contexts that agree on their tails
+are merely a hash collision, never confused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .sampling import Pick
+
+
+HASH_TAIL = 32  # tokens of a context's end that its hash covers
+
+
+def context_hash(tokens: tuple[int, ...]) -> int:
+    """Hash of a context: its length and its last :data:`HASH_TAIL` tokens (independent of its
+    length in cost). Equal contexts have equal hashes; the converse need not hold."""
+    return hash((len(tokens), tokens[-HASH_TAIL:]))
 
 
 class Query:
@@ -44,8 +54,8 @@ class Query:
                  _tokens_hash: int | None = None):
         self.tokens = tokens
         self.adapter = adapter
-        # hash(tokens), kept: a related query (next_token_of) is built without rehashing
-        self.tokens_hash = hash(tokens) if _tokens_hash is None else _tokens_hash
+        # context_hash(tokens), kept: a related query is built without rehashing
+        self.tokens_hash = context_hash(tokens) if _tokens_hash is None else _tokens_hash
         self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
 
     def _extra(self) -> tuple:

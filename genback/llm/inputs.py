@@ -8,6 +8,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from ..query import HASH_TAIL, context_hash
+
 
 def check_token_ids(
     token_ids, vocab_size: int, name: str = "token_ids", allow_empty: bool = False
@@ -91,7 +93,8 @@ class ContextChecker:
         return self.check(token_ids, name)[0]
 
     def check(self, token_ids, name: str = "token_ids") -> tuple[tuple[int, ...], int]:
-        """``(ids, hash(ids))``: checked ``token_ids`` as a tuple of ints and its hash.
+        """``(ids, context_hash(ids))``: checked ``token_ids`` as a tuple of ints and its hash
+        (:func:`genback.query.context_hash`, independent of the context's length in cost).
 
         Raises:
             TypeError / ValueError: as :func:`check_token_ids`.
@@ -100,25 +103,24 @@ class ContextChecker:
         if kind is list or kind is tuple:
             ids = token_ids if kind is tuple else tuple(token_ids)
             try:
-                h = hash(ids)
-            except TypeError:  # an unhashable element: the full check names it
-                h = None
-            if h is not None:
-                seen = self._seen
-                hit = seen.get(h)
-                if hit is not None and hit == ids:
-                    seen.move_to_end(h)
+                h = context_hash(ids)
+                hit = self._seen.get(h)
+                if hit is not None and hit == ids:  # (C: identical ints compare by identity)
+                    self._seen.move_to_end(h)
                     return hit, h
                 last = ids[-1] if ids else None
                 if type(last) is int and 0 <= last < self.vocab_size:
-                    parent = ids[:-1]
-                    hit = seen.get(hash(parent))
-                    if hit is not None and hit == parent:
-                        ids = hit + (last,)  # equal to the caller's ids: the same hash
-                        self._remember(h, ids)
-                        return ids, h
+                    # context_hash(ids[:-1]) without copying the context
+                    parent = self._seen.get(hash((len(ids) - 1, ids[-HASH_TAIL - 1:-1])))
+                    if parent is not None and len(parent) == len(ids) - 1:
+                        hit = parent + (last,)
+                        if hit == ids:  # the caller's context is a validated one plus `last`
+                            self._remember(h, hit)
+                            return hit, h
+            except TypeError:  # an unhashable element: the full check names it
+                pass
         ids = check_token_ids(token_ids, self.vocab_size, name)
-        h = hash(ids)
+        h = context_hash(ids)
         self._remember(h, ids)
         return ids, h
 
