@@ -131,13 +131,17 @@ class KVTree:
 
     # -- insertion ------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor, adapter=None) -> _Node:
+    def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor, adapter=None,
+               near: _Node | None = None) -> _Node:
         """Store the KV of ``tokens[start:]`` (``kv``'s dim 3 has ``len(tokens) - start`` entries)
         under ``adapter`` (None: the base model).
 
         ``tokens[:start]`` must be cached already (hold it with ``acquire`` between ``match`` and
         ``insert``). Parts that another insertion already stored are kept and not duplicated.
-        Returns the node that ends at ``len(tokens)``; call ``evict`` afterwards.
+        ``near``: the holder ``match`` returned for ``tokens[:start]`` (held since): the walk
+        starts there instead of comparing the whole cached prefix again from the root (still
+        right when an insertion meanwhile split that node's edge). Returns the node that ends at
+        ``len(tokens)``; call ``evict`` afterwards.
         """
         if type(tokens) is not tuple:
             tokens = tuple(tokens)
@@ -146,6 +150,12 @@ class KVTree:
                 f"kv covers {kv.shape[3]} tokens but tokens[start:] has {len(tokens) - start}"
             )
         node, pos = self._root(adapter), 0
+        if near is not None and near.parent is not None:
+            edge_start = near.depth - len(near.edge)
+            if start == near.depth:  # the cached prefix ends at the end of its edge
+                node, pos = near, start
+            elif edge_start <= start < near.depth:  # ... inside its edge: compare that edge only
+                node, pos = near.parent, edge_start
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:

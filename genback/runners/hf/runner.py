@@ -334,7 +334,7 @@ class HFRunner:
                 values, new_kv = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, kv in zip(group, new_kv):
-                    self.tree.insert(p.tokens, p.cached, kv, p.adapter)
+                    self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             for holder in held:
