@@ -62,7 +62,7 @@ def test_batch_size_and_timeout_are_live(tiny_hf, gpt2_tok):
     lm = AsyncTransformer(tiny_hf, gpt2_tok)
     lm.timeout = 60.0
     lm.batch_size = 2
-    assert lm.batch_window == 60.0 and lm._batcher.max_batch_size == 2
+    assert lm.batch_window == 60.0 and lm.scheduler.max_batch_size == 2
 
     async def two():
         return await asyncio.wait_for(asyncio.gather(

@@ -94,7 +94,7 @@ async def test_loop_keeps_serving_while_the_model_computes(tiny_hf, gpt2_tok):
     lm = AsyncTransformer(tiny_hf, gpt2_tok)
     in_forward, loop_saw_it = threading.Event(), threading.Event()
     threads = []
-    run = lm._runner.run
+    run = lm.runner.run
 
     def held_run(queries):
         threads.append(threading.current_thread())
@@ -102,7 +102,7 @@ async def test_loop_keeps_serving_while_the_model_computes(tiny_hf, gpt2_tok):
         served = loop_saw_it.wait(timeout=60)
         return [None] * len(queries) if not served else run(queries)
 
-    lm._runner.run = held_run
+    lm.runner.run = held_run
 
     async def watcher():
         ticks = 0
@@ -125,14 +125,14 @@ async def test_loop_keeps_serving_while_the_model_computes(tiny_hf, gpt2_tok):
 async def test_cache_info_does_not_wait_for_a_running_forward(tiny_hf, gpt2_tok):
     lm = AsyncTransformer(tiny_hf, gpt2_tok)
     in_forward, release = threading.Event(), threading.Event()
-    run = lm._runner.run
+    run = lm.runner.run
 
     def held_run(queries):
         in_forward.set()
         release.wait(timeout=60)
         return run(queries)
 
-    lm._runner.run = held_run
+    lm.runner.run = held_run
     try:
         task = asyncio.ensure_future(lm.next_token_logprobs([5, 6]))
         await asyncio.get_running_loop().run_in_executor(None, in_forward.wait, 60)

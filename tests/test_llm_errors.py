@@ -93,14 +93,14 @@ class _FailingTransformer(AsyncTransformer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        run = self._runner.run
+        run = self.runner.run
 
         def failing_run(queries):
             if any(self.POISON in q.tokens for q in queries):
                 raise RuntimeError("injected forward failure")
             return run(queries)
 
-        self._runner.run = failing_run
+        self.runner.run = failing_run
 
 
 async def test_a_failing_forward_fails_only_its_batch(tiny_hf, gpt2_tok):

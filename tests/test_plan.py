@@ -68,15 +68,15 @@ def test_each_query_of_a_step_is_matched_against_the_tree_once(tiny_hf, gpt2_tok
     particles = [prompt + [p] for p in range(16)]
     lm.batch_next_token_logprobs_sync(particles)
     calls = []
-    match = lm._runner.tree.match
-    lm._runner.tree.match = lambda *a, **k: calls.append(1) or match(*a, **k)
+    match = lm.runner.tree.match
+    lm.runner.tree.match = lambda *a, **k: calls.append(1) or match(*a, **k)
     try:
         particles = [c + [7] for c in particles]
         forwards = lm.forwards
         lm.batch_next_token_logprobs_sync(particles)
         assert len(calls) == 16 and lm.forwards == forwards + 1
     finally:
-        lm._runner.tree.match = match
+        lm.runner.tree.match = match
         lm.close()
 
 

@@ -121,7 +121,7 @@ def test_both_row_sources_agree(vlm, prefixes):
 def test_rows_the_tap_cannot_write_fall_back(vlm, ref, prefixes):
     """A worker that cannot see the shared file (as on another machine) writes nothing: the rows
     come from vLLM's logprobs=-1 output instead, with a warning, and later rows skip the tap."""
-    slots = vlm._runner.slots
+    slots = vlm.runner.slots
     contexts = prefixes[30:34]
     vlm.clear_cache()
     before = vlm.cache_info()["tap_fallbacks"]
@@ -391,11 +391,11 @@ async def test_reset_async_queries_aborts_what_is_in_flight(vlm, smol_hf):
 async def test_engine_error_fails_only_its_requests(vlm, prefixes):
     """A request vLLM rejects (a prompt longer than max_model_len, sent past genback's own
     check) fails alone, with a RuntimeError naming vLLM and the cause."""
-    from genback.llm import Query
+    from genback.query import NextToken
 
     vlm.clear_cache()
     too_long = tuple([7] * 600)
-    bad = [vlm._batcher.submit(too_long + (i,), Query(too_long + (i,))) for i in range(2)]
+    bad = [vlm.front.ask(NextToken(too_long + (i,))) for i in range(2)]
     good = [vlm.next_token_logprobs(c) for c in prefixes[40:46]]
     results = await asyncio.gather(*bad, *good, return_exceptions=True)
     for r in results[:2]:

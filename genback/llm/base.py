@@ -1,26 +1,29 @@
 """``AsyncLM``: the async next-token API shared by every backend.
 
-``AsyncLM`` is one class that composes a :class:`~genback.batcher.Batcher` (*when*: the window and
-the query count) with a backend runner (*what*: see :mod:`genback.runner`). Everything else —
-input checks, the output cache, auto-batching, sync wrappers, sampling, statistics — lives here
-once; the backends (``AsyncTransformer``, ``AsyncVirtualLM``, ``MockAsyncLM``) only build a
-runner and add their own constructors.
+``AsyncLM`` composes explicit parts: ``front`` (:class:`~genback.llm.front.Front`: input checks,
+the output cache, counters, the forward lock, and the scheduler — *when*: genback's
+:class:`~genback.batcher.Batcher`, or :class:`~genback.batcher.Immediate` for engines that schedule
+themselves), ``runner`` (*what*: see :mod:`genback.runner`; its ``capabilities`` choose the
+scheduler) and ``adapters`` (:class:`~genback.llm.adapters.Adapters`, LoRA names, when the runner
+loads adapters). Every public method takes the front's one path; the backends
+(``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) only build a runner
+and add their own constructors.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Sequence
 
 import torch
 
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
-from ..output_cache import OutputCache
-from ..query import NextToken, Query, Score
+from ..query import NextToken, Query  # noqa: F401 (Query: genback.llm's name of the base kind)
 from ..runner import Runner
+from .adapters import Adapters
 from .decoding import Decoding
-from .inputs import ContextChecker, check_lora, check_positive_int, check_token_ids
+from .front import Front
+from .inputs import check_lora, check_positive_int, check_token_ids
 from .queue_api import QueueHooks
 
 
@@ -59,43 +62,48 @@ class AsyncLM(QueueHooks, Decoding):
         self.vocab_size = check_positive_int(
             len(tokenizer) if vocab_size is None else vocab_size, "vocab_size"
         )
-        self.max_context_length = max_context_length
         eos = set(check_token_ids(list(eos_token_ids), self.vocab_size, "eos_token_ids",
                                   allow_empty=True))
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(int(tokenizer.eos_token_id))
         self._eos_token_ids = frozenset(eos)
-        self._contexts = ContextChecker(self.vocab_size)
-        self._runner = runner
-        self._output_cache = OutputCache(row_cache_size)
-        self._batcher = Batcher(
-            self._compute_locked,
-            window=batch_window,
-            max_batch_size=check_positive_int(batch_size, "batch_size"),
-        )
-        self._forward_lock = threading.RLock()
+        self.runner = runner
+        self.capabilities = runner.capabilities
+        self.front = Front(runner, vocab_size=self.vocab_size,
+                           max_context_length=max_context_length,
+                           row_cache_size=row_cache_size, batch_size=batch_size,
+                           batch_window=batch_window)
+        self.adapters = Adapters(runner, self.front) if self.capabilities.adapters else None
         self._vocab = None
-        self._stats_lock = threading.Lock()
-        self._queries = 0
-        self._tokens_queried = 0
+
+    @property
+    def scheduler(self):
+        """The front's scheduler: a :class:`~genback.batcher.Batcher`, or an
+        :class:`~genback.batcher.Immediate` for a runner that schedules by itself."""
+        return self.front.scheduler
+
+    @property
+    def max_context_length(self) -> int | None:
+        """Most tokens a forward's inputs may have (the model's window); None: no limit."""
+        return self.front.max_context_length
 
     @property
     def batch_size(self) -> int:
         """Most distinct queries per batch; setting it takes effect for the next batch."""
-        return self._batcher.max_batch_size
+        return self.scheduler.max_batch_size
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        self._batcher.max_batch_size = check_positive_int(value, "batch_size")
+        self.scheduler.max_batch_size = check_positive_int(value, "batch_size")
 
     @property
     def batch_window(self) -> float:
         """Seconds a batch waits for more queries, from its first query; settable."""
-        return self._batcher.window
+        return self.scheduler.window
 
     @batch_window.setter
     def batch_window(self, value: float) -> None:
-        self._batcher.window = Batcher.check_window(value)
+        self.scheduler.window = Batcher.check_window(value)
 
     @property
     def timeout(self) -> float:
@@ -117,13 +125,13 @@ class AsyncLM(QueueHooks, Decoding):
     def cache_kind(self) -> str | None:
         """What model state the backend keeps between queries, in words (``"prefix tree"`` for
         AsyncTransformer's KV tree, ``"vLLM prefix cache"``), or None."""
-        return getattr(self._runner, "cache_kind", None)
+        return self.capabilities.cache_kind
 
     @property
     def batching_kind(self) -> str:
         """Who batches concurrent queries, in words: genback's auto-batcher (one forward for the
         queries of a batch window), or on AsyncVirtualLM vLLM's own scheduler."""
-        return getattr(self._runner, "batching_kind", "continuous (genback auto-batcher)")
+        return self.capabilities.batching_kind
 
     # -- vocabulary -----------------------------------------------------------------------------
 
@@ -144,71 +152,52 @@ class AsyncLM(QueueHooks, Decoding):
         """``list[str]`` of length ``vocab_size``: token ``i`` as text (lossy for partial UTF-8)."""
         return self._vocabs()[1]
 
-    # -- computation (the runner's part) -----------------------------------------------------------
-
-    def _compute_locked(self, queries: list[Query]) -> list:
-        """One result per query: a row / value tensor, or the exception that fails only that
-        query (its adapter was removed while it waited, or it cannot fit in memory)."""
-        results: list = [None] * len(queries)
-        todo = []
-        for i, q in enumerate(queries):
-            row = self._output_cache.get(q) if type(q) is NextToken else None
-            if row is not None:  # computed by an earlier batch since this query was submitted
-                results[i] = row
-            else:
-                todo.append(i)
-        if todo:
-            with self._forward_lock:
-                self._check_open()
-                for i in todo:
-                    results[i] = self._adapter_error(queries[i].adapter)
-                todo = [i for i in todo if results[i] is None]
-                computed = self._runner.run([queries[i] for i in todo]) if todo else []
-            for i, value in zip(todo, computed):
-                results[i] = value
-                if type(queries[i]) is NextToken and not isinstance(value, BaseException):
-                    self._output_cache.put(queries[i], value)
-        return results
-
-    # -- adapters (backends that serve LoRA override these two) -------------------------------------
+    # -- adapters (the Adapters component, when the runner loads them) ------------------------------
 
     def _lora_key(self, lora_name) -> int | None:
         """The runner's adapter key for ``lora_name`` (None: the base model).
 
         Raises:
-            ValueError: ``lora_name`` is not None (this backend has no adapters).
+            ValueError: ``lora_name`` is not a registered adapter (or this backend has none).
         """
-        check_lora(lora_name)
-        return None
+        if self.adapters is None:
+            check_lora(lora_name)
+            return None
+        return self.adapters.key(lora_name)
 
-    def _adapter_error(self, adapter: int | None) -> Exception | None:
-        """None when adapter key ``adapter`` can still be computed, else the error to give its
-        callers (called with the forward lock held)."""
-        return None
+    def add_new_lora(self, lora_path, lora_name: str) -> None:
+        """Load the LoRA adapter at ``lora_path`` under ``lora_name`` (see
+        :meth:`genback.llm.adapters.Adapters.add`).
+
+        Raises:
+            ValueError: this backend has no adapters, or as ``Adapters.add`` documents.
+            TypeError: as ``Adapters.add`` documents.
+        """
+        if self.adapters is None:
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
+        self.front.check_open()
+        self.adapters.add(lora_path, lora_name)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload adapter ``lora_name`` (see :meth:`genback.llm.adapters.Adapters.remove`).
+
+        Raises:
+            ValueError: no adapter is registered under ``lora_name``.
+        """
+        if self.adapters is None:
+            raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
+        self.adapters.remove(lora_name)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """Names of the registered adapters."""
+        return [] if self.adapters is None else self.adapters.names
 
     # -- queries ----------------------------------------------------------------------------------
 
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
-        return self._check_context(token_ids, name)[0]
-
-    def _check_context(self, token_ids, name="token_ids") -> tuple[tuple[int, ...], int]:
-        """``(ids, hash(ids))`` of a checked context (see :class:`.inputs.ContextChecker`)."""
-        ids, h = self._contexts.check(token_ids, name)
-        if self.max_context_length and len(ids) > self.max_context_length:
-            raise ValueError(
-                f"{name} has {len(ids)} tokens, more than the model's context of "
-                f"{self.max_context_length}"
-            )
-        return ids, h
-
-    def _check_open(self) -> None:
-        if self._batcher.closed:
-            raise BatcherClosed("the model was closed (aclose); no more queries are served")
-
-    def _count(self, n_tokens: int) -> None:
-        with self._stats_lock:
-            self._queries += 1
-            self._tokens_queried += n_tokens
+        """Checked context ids (see :meth:`Front.context`)."""
+        return self.front.context(token_ids, name)[0]
 
     async def next_token_logprobs(self, token_ids, lora_name=None) -> torch.Tensor:
         """Log-probs of the next token after ``token_ids``; concurrent calls are batched.
@@ -227,13 +216,8 @@ class AsyncLM(QueueHooks, Decoding):
             BatcherClosed: the model was closed or reset while the query waited.
         """
         adapter = self._lora_key(lora_name)
-        ids, h = self._check_context(token_ids)
-        query = NextToken(ids, adapter, h)
-        self._check_open()
-        self._count(len(query.tokens))
-        row = self._output_cache.get(query)
-        if row is None:
-            row = await self._batcher.submit(query, query)
+        ids, h = self.front.context(token_ids)
+        row = await self.front.ask(NextToken(ids, adapter, h))
         return row.clone()  # the one copy: cached rows are shared, never handed out
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
@@ -264,20 +248,11 @@ class AsyncLM(QueueHooks, Decoding):
     def _rows_sync(self, contexts: list[tuple[int, ...]], adapter: int | None = None
                    ) -> torch.Tensor:
         """Rows for checked contexts under ``adapter``, computed on this thread in one batch:
-        ``[len(contexts), V]``."""
-        self._check_open()
-        for tokens in contexts:
-            self._count(len(tokens))
+        ``[len(contexts), V]`` (stacked: the caller's own copy)."""
         queries = [NextToken(t, adapter) for t in contexts]
-        cached = {q: self._output_cache.get(q) for q in queries}
-        missing = [q for q, row in cached.items() if row is None]
-        if missing:
-            for q, row in zip(missing, self._compute_locked(missing)):
-                if isinstance(row, BaseException):
-                    raise row
-                cached[q] = row
-        # stack copies: callers own their rows
-        return torch.stack([cached[q] for q in queries])
+        distinct = list(dict.fromkeys(queries))
+        rows = dict(zip(distinct, self.front.ask_sync(distinct)))
+        return torch.stack([rows[q] for q in queries])
 
     @staticmethod
     def _check_list(token_ids_list, name: str) -> list:
@@ -288,23 +263,6 @@ class AsyncLM(QueueHooks, Decoding):
         if len(token_ids_list) == 0:
             raise ValueError(f"{name} must hold at least one context, got an empty list")
         return list(token_ids_list)
-
-    def _pair_query(self, context_ids, continuation_ids, greedy: bool,
-                    adapter: int | None = None) -> Score:
-        context = self._check_ids(context_ids, "context_ids")
-        continuation = self._check_ids(continuation_ids, "continuation_ids")
-        # the forward's inputs are context + continuation[:-1]: the last token is never an input
-        inputs = len(context) + len(continuation) - 1
-        if self.max_context_length and inputs > self.max_context_length:
-            raise ValueError(
-                f"context_ids + continuation_ids[:-1] has {inputs} tokens ({len(context)} + "
-                f"{len(continuation) - 1}), more than the model's context of "
-                f"{self.max_context_length}"
-            )
-        self._check_open()
-        query = Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
-        self._count(len(query.tokens))
-        return query
 
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
         """Log-prob of each continuation token given the context and the tokens before it.
@@ -317,10 +275,8 @@ class AsyncLM(QueueHooks, Decoding):
             TypeError / ValueError: bad or empty ``context_ids`` / ``continuation_ids``, or the
                 two together longer than the model's context.
         """
-        query = self._pair_query(context_ids, continuation_ids, greedy=False,
-                                 adapter=self._lora_key(lora_name))
-        result = await self._batcher.submit(query, query)
-        return result.clone()
+        query = self.front.score(context_ids, continuation_ids, False, self._lora_key(lora_name))
+        return (await self.front.ask(query)).clone()
 
     async def score(self, context_ids, continuation_ids, lora_name=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,9 +302,8 @@ class AsyncLM(QueueHooks, Decoding):
                 model's context (only this caller fails).
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        query = self._pair_query(context_ids, continuation_ids, greedy=True,
-                                 adapter=self._lora_key(lora_name))
-        logprobs, greedy = await self._batcher.submit(query, query)
+        query = self.front.score(context_ids, continuation_ids, True, self._lora_key(lora_name))
+        logprobs, greedy = await self.front.ask(query)
         return logprobs.clone(), greedy.clone()
 
     # -- caches and lifecycle -------------------------------------------------------------------------
@@ -360,39 +315,31 @@ class AsyncLM(QueueHooks, Decoding):
         ``rows_cached`` and ``rows_bytes`` (the output cache), plus the runner's own (``forwards``, ``tokens_forwarded``, and for
         AsyncTransformer ``kv_bytes``, ``kv_budget_bytes``, ``kv_nodes``, ``evictions``,
         ``attention``, ...)."""
-        info = {
-            "queries": self._queries,
-            "tokens_queried": self._tokens_queried,
-            "row_hits": self._output_cache.hits,
-            "batches": self._batcher.batches,
-            "batched_queries": self._batcher.queries,
-            "rows_cached": len(self._output_cache),
-            "rows_bytes": self._output_cache.bytes_held,
-        }
-        info.update(self._runner.stats())
+        info = self.front.info()
+        info.update(self.runner.stats())
         return info
 
     @property
     def forwards(self) -> int:
         """Model forwards the runner ran for batches, not counting uncached references
         (``cache_info()["forwards"]``; on vLLM its requests)."""
-        return self._runner.stats()["forwards"]
+        return self.runner.stats()["forwards"]
 
     @property
     def tokens_forwarded(self) -> int:
         """Tokens the runner forwarded, padding excluded (``cache_info()["tokens_forwarded"]``)."""
-        return self._runner.stats()["tokens_forwarded"]
+        return self.runner.stats()["tokens_forwarded"]
 
     def clear_cache(self) -> None:
         """Drop every cached row and every unpinned cached KV state (pinned prompts stay)."""
-        self._output_cache.clear()
-        with self._forward_lock:
-            self._runner.clear(keep_pinned=True)
+        self.front.cache.clear()
+        with self.front.lock:
+            self.runner.clear(keep_pinned=True)
 
     def clear_kv_cache(self) -> None:
         """Drop every cached KV state, pinned ones included (rows stay)."""
-        with self._forward_lock:
-            self._runner.clear(keep_pinned=False)
+        with self.front.lock:
+            self.runner.clear(keep_pinned=False)
 
     def cache_kv(self, prompt_tokens, lora_name=None) -> None:
         """Compute ``prompt_tokens``' KV now and keep it (AsyncTransformer pins it: it is never
@@ -405,15 +352,12 @@ class AsyncLM(QueueHooks, Decoding):
         """
         adapter = self._lora_key(lora_name)
         tokens = self._check_ids(prompt_tokens, "prompt_tokens")
-        self._check_open()
-        with self._forward_lock:
-            error = self._adapter_error(adapter)
+        self.front.check_open()
+        with self.front.lock:
+            error = self.front.adapter_error(adapter)
             if error is not None:
                 raise error
-            if adapter is None:
-                self._runner.pin(tokens)
-            else:
-                self._runner.pin(tokens, adapter=adapter)
+            self.runner.pin(tokens, adapter)
 
     def reset_async_queries(self) -> int:
         """Fail every pending query with ``BatcherClosed``; return how many callers were failed.
@@ -421,22 +365,16 @@ class AsyncLM(QueueHooks, Decoding):
         Use it when an exception left an inference algorithm's queries pending. Batches already
         computing finish normally. Safe from any thread.
         """
-        return self._batcher.reset()
+        return self.scheduler.reset()
 
     async def aclose(self) -> None:
         """Stop serving: pending queries fail, the worker finishes its batch. Idempotent."""
-        if self._batcher.closed:
+        if self.scheduler.closed:
             return
-        await asyncio.to_thread(self._batcher.close)
-        with self._forward_lock:
-            self._runner.close()
-        self._output_cache.clear()
+        await asyncio.to_thread(self.front.close)
 
     def close(self) -> None:
         """Blocking form of :meth:`aclose`."""
-        if self._batcher.closed:
+        if self.scheduler.closed:
             return
-        self._batcher.close()
-        with self._forward_lock:
-            self._runner.close()
-        self._output_cache.clear()
+        self.front.close()

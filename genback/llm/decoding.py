@@ -4,7 +4,8 @@
 logits are); ``generate_stream`` streams one generation (here a ``choose_next`` loop; vLLM
 overrides it with one streamed request sampled by vLLM); ``sample`` / ``batch_sample`` are
 ancestral sampling built on it. The methods use
-``AsyncLM``'s checks, output cache, batcher and runner.
+``AsyncLM``'s public parts: its ``front`` (checks, output cache, the query path) and its
+runner's ``capabilities``.
 """
 
 from __future__ import annotations
@@ -45,16 +46,14 @@ class Decoding:
         adapter = self._lora_key(lora_name)
         if not isinstance(pick, Pick):
             raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
-        key, h = self._check_context(token_ids)
-        self._check_open()
-        self._count(len(key))
-        row_query = NextToken(key, adapter, h)
-        row = self._output_cache.get(row_query)
-        if row is None and getattr(self._runner, "picks", False):
-            query = Step(key, pick, adapter, _tokens_hash=row_query.tokens_hash)
-            return await self._batcher.submit(query, query)
-        if row is None:
-            row = await self._batcher.submit(row_query, row_query)
+        key, h = self.front.context(token_ids)
+        if self.capabilities.picks:  # a row already cached is used as it is
+            row = self.front.cache.get(NextToken(key, adapter, h))
+            if row is None:
+                return await self.front.ask(Step(key, pick, adapter, _tokens_hash=h))
+            self.front.count(len(key))
+        else:
+            row = await self.front.ask(NextToken(key, adapter, h))
         return choose(row, key, pick)
 
     async def generate_stream(
@@ -121,7 +120,7 @@ class Decoding:
                check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
         stops = check_token_ids(stop_token_ids, self.vocab_size, "stop_token_ids",
                                 allow_empty=True)
-        self._check_open()
+        self.front.check_open()
         return prompt, frozenset(eos) | frozenset(stops)
 
     async def sample_stream(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,

@@ -14,11 +14,10 @@ from __future__ import annotations
 import torch
 
 from ..runners.hf import HFRunner
-from .adapters import AdapterNames
 from .base import AsyncLM
 
 
-class AsyncTransformer(AdapterNames, AsyncLM):
+class AsyncTransformer(AsyncLM):
     """Async, auto-batched next-token log-probs from a Hugging Face causal LM, with KV reuse.
 
     Args:
@@ -78,7 +77,6 @@ class AsyncTransformer(AdapterNames, AsyncLM):
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
                           attention=attention, min_shared_tokens=min_shared_tokens)
-        self._init_adapters()
         super().__init__(
             hf_tokenizer,
             runner,
@@ -129,14 +127,6 @@ class AsyncTransformer(AdapterNames, AsyncLM):
             ) from exc
         return cls(model, tokenizer, **kwargs)
 
-    # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
-
-    def _load_adapter(self, path: str) -> int:
-        return self._runner.add_adapter(path)
-
-    def _unload_adapter(self, key: int) -> None:
-        self._runner.remove_adapter(key)
-
     def walk_cache(self, token_ids, lora_name=None):
         """genlm-backend's view of the KV cache: how much of ``token_ids`` has cached KV.
 
@@ -154,8 +144,8 @@ class AsyncTransformer(AdapterNames, AsyncLM):
         """
         adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
-        with self._forward_lock:
-            segments, n, node = self._runner.tree.match(ids, touch=False, adapter=adapter)
+        with self.front.lock:
+            segments, n, node = self.runner.tree.match(ids, touch=False, adapter=adapter)
             past = torch.cat([kv for _, _, kv in segments], dim=3) if segments else None
         return node, n, past, n
 
@@ -173,8 +163,8 @@ class AsyncTransformer(AdapterNames, AsyncLM):
         """
         adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
-        with self._forward_lock:
-            self._runner.lora.activate(adapter)
+        with self.front.lock:
+            self.runner.lora.activate(adapter)
             out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
 

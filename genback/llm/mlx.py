@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-from .adapters import AdapterNames
 from .base import AsyncLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -39,7 +38,7 @@ def _config_overrides(config: dict) -> dict:
     return out
 
 
-class AsyncMlxLM(AdapterNames, AsyncLM):
+class AsyncMlxLM(AsyncLM):
     """Async, auto-batched next-token log-probs from an mlx-lm model, with prefix KV reuse.
 
     Args:
@@ -117,7 +116,6 @@ class AsyncMlxLM(AdapterNames, AsyncLM):
         except BaseException:
             runner.close()
             raise
-        self._init_adapters()
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", dtype: str | None = "float32",
@@ -177,11 +175,11 @@ class AsyncMlxLM(AdapterNames, AsyncLM):
         """
         adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
-        self._check_open()
-        with self._forward_lock:
-            return self._runner.uncached_row(ids, adapter)
+        self.front.check_open()
+        with self.front.lock:
+            return self.runner.uncached_row(ids, adapter)
 
-    # -- LoRA adapters (names and their bookkeeping: AdapterNames) ----------------------------------
+    # -- LoRA adapters (the Adapters component; mlx-lm's adapter folders) --------------------------
 
     def add_new_lora(self, lora_path, lora_name: str) -> None:
         """Load the mlx-lm LoRA adapter in folder ``lora_path`` under ``lora_name``.
@@ -200,9 +198,3 @@ class AsyncMlxLM(AdapterNames, AsyncLM):
                 ``keys``) other than that of the adapters already loaded on this model.
         """
         super().add_new_lora(lora_path, lora_name)
-
-    def _load_adapter(self, path: str) -> int:
-        return self._runner.add_adapter(path)
-
-    def _unload_adapter(self, key: int) -> None:
-        self._runner.remove_adapter(key)

@@ -34,4 +34,4 @@ class MockAsyncLM(AsyncLM):
         return cls(AutoTokenizer.from_pretrained(resolve(model_name)), **kwargs)
 
     def _row(self, tokens):
-        return self._runner.row(tuple(tokens))
+        return self.runner.row(tuple(tokens))

@@ -2,7 +2,7 @@
 ``batch_evaluate_queries``.
 
 genlm-backend exposes its batching queue; clients and its tests drive it by hand. genback's queue
-is the shared :class:`~genback.batcher.Batcher`, so these hooks are thin views of it: a query
+is the front's scheduler (:class:`~genback.batcher.Batcher`), so these hooks are thin views of it: a query
 added here joins the same pending batch as ``await next_token_logprobs`` (same row cache, same
 dispatch rules), and ``reset_async_queries`` / ``aclose`` fail it like any other.
 """
@@ -28,16 +28,17 @@ class QueueHooks:
             RuntimeError: no running event loop on this thread.
         """
         adapter = self._lora_key(lora_name)
-        q = NextToken(self._check_ids(query, "query"), adapter)
-        self._check_open()
+        ids, h = self.front.context(query, "query")
+        q = NextToken(ids, adapter, h)
+        self.front.check_open()
         asyncio.get_running_loop()  # RuntimeError outside a running loop
-        self._count(len(q.tokens))
-        row = self._output_cache.get(q)
+        row = self.front.cache.get(q)
         if row is not None:
+            self.front.count(len(q.tokens))
             if not future.done():
                 future.set_result(row.clone())
             return
-        inner = self._batcher.enqueue(q, q)
+        inner = self.front.enqueue(q)
 
         def relay(done: asyncio.Future) -> None:
             if future.done():
@@ -60,7 +61,7 @@ class QueueHooks:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return []
-        return self._batcher.pending(loop)
+        return self.front.scheduler.pending(loop)
 
     @queries.setter
     def queries(self, value) -> None:
@@ -76,4 +77,4 @@ class QueueHooks:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._batcher.flush(loop)
+        self.front.scheduler.flush(loop)

@@ -32,7 +32,6 @@ import torch
 
 from ..runners.vllm.tap import OLD_TAP_FQCN, TAP_FQCN
 from ..sampling import Choice, SamplingParams
-from .adapters import AdapterNames
 from .base import AsyncLM, Query
 
 __all__ = ["AsyncVirtualLM", "Query"]
@@ -94,7 +93,7 @@ def engine_args_for(path: str, engine_opts: dict | None):
         raise TypeError(f"engine_opts: vllm.AsyncEngineArgs rejected them: {exc}") from exc
 
 
-class AsyncVirtualLM(AdapterNames, AsyncLM):
+class AsyncVirtualLM(AsyncLM):
     """Async next-token log-probs from a vLLM ``AsyncLLM`` engine (same API as AsyncTransformer).
 
     Args:
@@ -119,7 +118,7 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
                  row_cache_size: int = 1024):
         vllm = _import_vllm()
         from ..runners.vllm.engine import EngineLoop
-        from ..runners.vllm.runner import Dispatcher, VLLMRunner
+        from ..runners.vllm.runner import VLLMRunner
 
         if isinstance(engine_args, dict):
             engine_args = vllm.AsyncEngineArgs(**engine_args)
@@ -154,10 +153,6 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
         except BaseException:
             engine.close()
             raise
-        self._batcher.close()  # the shared batcher is replaced: vLLM schedules every request
-        self._init_adapters()
-        self._batcher = Dispatcher(runner, self._output_cache, self._batcher.window,
-                                   self._batcher.max_batch_size, self._adapter_error)
         self._engine = engine
         # a model dropped or left open at exit still stops its engine processes
         self._finalizer = weakref.finalize(self, runner.close)
@@ -223,25 +218,16 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
         """How next-token rows leave the engine: ``"tap"`` (genback's logits processor, the
         default when the engine has it) or ``"logprobs"`` (vLLM's ``logprobs=-1`` output).
         Settable; ``"tap"`` raises ``ValueError`` on an engine built without ``RowTap``."""
-        return "tap" if self._runner.use_tap else "logprobs"
+        return "tap" if self.runner.use_tap else "logprobs"
 
     @row_source.setter
     def row_source(self, value: str) -> None:
         if value not in ("tap", "logprobs"):
             raise ValueError(f"row_source must be 'tap' or 'logprobs', got {value!r}")
-        if value == "tap" and self._runner.slots is None:
+        if value == "tap" and self.runner.slots is None:
             raise ValueError("row_source='tap' needs an engine built with "
                              f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
-        self._runner.use_tap = value == "tap"
-
-    # -- LoRA adapters (vLLM's LoRARequest per request; names: AdapterNames) ----------------
-
-    def _load_adapter(self, path: str) -> int:
-        return self._runner.add_adapter(path)
-
-    def _unload_adapter(self, key: int) -> None:
-        why = self._retired.get(key, "its LoRA adapter was removed while this query was pending")
-        self._runner.remove_adapter(key, ValueError(why))
+        self.runner.use_tap = value == "tap"
 
     # -- generation (vLLM's sampler, streamed) -----------------------------------------------------
 
@@ -298,7 +284,7 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
                 f"max_model_len={self.max_context_length + 1}")
         if max_new_tokens == 0:
             return
-        self._count(len(prompt))
+        self.front.count(len(prompt))
         top = params.top_logprobs
         want = params.logprobs or top > 0
         vparams = self._SamplingParams(
@@ -324,10 +310,10 @@ class AsyncVirtualLM(AdapterNames, AsyncLM):
         """Async iterator of ``(new token ids, their vLLM log-prob dicts or None)`` of one vLLM
         request with DELTA outputs; closing it (or cancelling the consumer) aborts the request.
         """
-        error = self._adapter_error(adapter)
+        error = self.front.adapter_error(adapter)
         if error is not None:
             raise error
-        lora = self._runner.lora_request(adapter)
+        lora = self.runner.lora_request(adapter)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         engine = self._engine

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..query import Prefill, Query, Score
+from ..runner import Capabilities
 from .mlx_kv import PrefixKV, _lcp
 
 
@@ -52,6 +53,9 @@ def _cache_arrays(cache: list) -> list:
 class MlxRunner:
     """Batches of :class:`~genback.query.Query` through an mlx-lm model.
 
+    Declares no device-side picks (decoding steps choose on its rows) and loads mlx-lm
+    adapters.
+
     Args:
         model: an mlx-lm model (``mlx_lm.utils.load_model``); called as ``model(ids, cache=...)``
             with ``ids`` int32 ``[B, T]``, returning logits ``[B, T, V]``.
@@ -63,6 +67,8 @@ class MlxRunner:
     Raises:
         ValueError: an option out of range.
     """
+
+    capabilities = Capabilities(adapters=True)
 
     def __init__(self, model, *, kv_budget_bytes: int = 1 << 30, max_batch_tokens: int = 2048,
                  prefill_step_size: int = 512):
@@ -156,8 +162,9 @@ class MlxRunner:
             self._head = self._probe()[2]
         return key
 
-    def remove_adapter(self, key: int) -> None:
-        """Free adapter ``key`` and every KV entry computed under it."""
+    def remove_adapter(self, key: int, error: BaseException | None = None) -> None:
+        """Free adapter ``key`` and every KV entry computed under it (under the forward lock:
+        none of its queries is computing, so ``error`` has no one to fail)."""
         self._on_thread(self._remove_adapter, key)
 
     def _remove_adapter(self, key: int) -> None:

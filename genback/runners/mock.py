@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 from ..query import NextToken, Prefill, Query, Score, Step
+from ..runner import Capabilities
 from ..sampling import choose
 
 
 class MockRunner:
     """Runner of :class:`~genback.llm.MockAsyncLM` over a vocabulary of ``vocab_size`` tokens."""
 
-    picks = True  # answers decoding-step queries (Step)
+    capabilities = Capabilities(picks=True)  # answers decoding steps (Step) itself
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -64,7 +65,7 @@ class MockRunner:
     def clear(self, keep_pinned: bool) -> None:
         pass
 
-    def pin(self, tokens: tuple[int, ...]) -> None:
+    def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
         pass
 
     def close(self) -> None:

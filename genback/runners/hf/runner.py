@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ...query import Prefill, Query, Score
+from ...runner import Capabilities
 from . import tree_attention
 from .forward import dense_forward, tree_forward
 from .kvtree import KVTree
@@ -85,8 +86,8 @@ class HFRunner:
         ValueError: an option out of range, or ``attention="tree"`` on a model without support.
     """
 
-    picks = True  # answers decoding-step queries (Query.pick) on the model's device
-    cache_kind = "prefix tree"  # AsyncLM.cache_kind
+    # decoding steps (Step) answered on the model's device; KV in a prefix tree; LoRA by peft
+    capabilities = Capabilities(picks=True, cache_kind="prefix tree", adapters=True)
 
     def __init__(self, model, *, pad_id: int = 0, kv_budget_bytes: int | None = None,
                  max_batch_tokens: int = 4096, max_forward_bytes: int | None = None,
@@ -306,8 +307,9 @@ class HFRunner:
         """Load the peft adapter in folder ``path``; return its key (see :mod:`.lora`)."""
         return self.lora.add(path)
 
-    def remove_adapter(self, key: int) -> None:
-        """Drop adapter ``key``'s KV (pinned too) and unload its weights."""
+    def remove_adapter(self, key: int, error: BaseException | None = None) -> None:
+        """Drop adapter ``key``'s KV (pinned too) and unload its weights (called under the
+        forward lock: none of its queries is computing, so ``error`` has no one to fail)."""
         self.tree.drop_adapter(key)
         self.pool.clear()
         self.lora.remove(key)

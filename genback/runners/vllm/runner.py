@@ -1,9 +1,10 @@
 """The vLLM runner: every distinct genback query is its own request to vLLM's ``AsyncLLM``.
 
 vLLM's scheduler does what genback's batcher does for the other backends (continuous batching,
-chunked prefill, prefix caching), so :class:`Dispatcher` stands where ``AsyncLM``'s batcher stands
-and sends each distinct query at once; identical queries in flight share one request and the
-output cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answer`):
+chunked prefill, prefix caching), so the runner declares ``batching="engine"`` and ``AsyncLM``'s
+front sends each distinct query at once (:class:`genback.batcher.Immediate` ->
+:meth:`VLLMRunner.answer_shared`); identical queries in flight share one request and the output
+cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answer`):
 
 * next-token row: ``SamplingParams(max_tokens=1, temperature=0, detokenize=False)`` with
   ``extra_args={"genback_row": [path, slot, width]}``; genback's ``RowTap`` logits processor
@@ -29,8 +30,8 @@ from typing import Hashable
 
 import torch
 
-from ...batcher import BatcherClosed
 from ...query import NextToken, Prefill, Query, Score
+from ...runner import Capabilities
 from .engine import EngineLoop
 from .tap import TAP_KEY, RowSlots
 
@@ -44,8 +45,11 @@ class VLLMRunner:
         use_tap: whether the engine was built with ``RowTap``.
     """
 
-    cache_kind = "vLLM prefix cache"  # AsyncLM.cache_kind
-    batching_kind = "continuous (vLLM scheduler, one request per query)"  # AsyncLM.batching_kind
+    # vLLM's scheduler batches: AsyncLM sends each query at once (batcher.Immediate)
+    capabilities = Capabilities(
+        cache_kind="vLLM prefix cache", batching="engine", adapters=True,
+        score_extra_positions=1,  # a score is a prompt-logprobs request that generates one token
+        batching_kind="continuous (vLLM scheduler, one request per query)")
 
     def __init__(self, engine: EngineLoop, width: int, use_tap: bool):
         from vllm import SamplingParams
@@ -166,6 +170,30 @@ class VLLMRunner:
         out = await self._generate(tokens, self._row_params, lora)
         return flat_row(out.outputs[0].logprobs, self.width)
 
+    async def answer_shared(self, q: Query):
+        """The result of ``q`` from any event loop: run on the engine loop, sharing one request
+        with identical queries in flight; cancelling the caller aborts the request once no
+        other caller shares it (``batching="engine"``: the front's ``Immediate`` calls it).
+
+        Raises:
+            BatcherClosed: the engine was closed, or reset while the query ran.
+            RuntimeError: the engine failed this request (names vLLM and the cause).
+            ValueError: its LoRA adapter was removed (before or while it ran).
+        """
+        engine = self.engine
+        result = await engine.run(engine.join(q, lambda: self.answer(q), q.adapter))
+        self.flush_warnings()
+        return result
+
+    def reset(self, message: str) -> int:
+        """Abort every request in flight; their callers get ``BatcherClosed(message)``; returns
+        how many callers were failed."""
+        return self.engine.reset(message)
+
+    def requests(self) -> int:
+        """vLLM requests sent so far (each scheduled by vLLM: genback's "batches")."""
+        return self.engine.requests
+
     # -- the runner protocol (blocking callers) ---------------------------------------------------
 
     def run(self, queries) -> list:
@@ -207,104 +235,3 @@ class VLLMRunner:
         self.engine.close()
         if self.slots is not None:
             self.slots.close()
-
-
-class Dispatcher:
-    """What ``AsyncLM`` uses in place of its batcher for vLLM: ``submit`` sends each distinct
-    query at once as its own vLLM request (vLLM batches them); the output cache stays in front.
-
-    ``window`` and ``max_batch_size`` are kept for ``AsyncLM``'s ``batch_window`` / ``batch_size``
-    properties; vLLM's scheduler (``max_num_seqs``, ``max_num_batched_tokens``) sizes its batches.
-    """
-
-    def __init__(self, runner: VLLMRunner, output_cache, window: float, max_batch_size: int,
-                 adapter_error=lambda adapter: None):
-        self.runner = runner
-        self.adapter_error = adapter_error  # AsyncLM._adapter_error
-        self.output_cache = output_cache
-        self.window = window
-        self.max_batch_size = max_batch_size
-        self._closed = False
-
-    @property
-    def batches(self) -> int:  # each request is scheduled by vLLM on its own
-        return self.runner.engine.requests
-
-    @property
-    def queries(self) -> int:
-        return self.runner.engine.requests
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    async def submit(self, key: Hashable, query: Query):
-        """The result of ``query``; cancelling the caller aborts its request once no other
-        caller shares it.
-
-        Raises:
-            BatcherClosed: closed, or reset while the query ran.
-            RuntimeError: the engine failed this request (names vLLM and the cause).
-            ValueError: its LoRA adapter was removed or replaced (before or while it ran).
-        """
-        if self._closed:
-            raise BatcherClosed("the model was closed (aclose); no more queries are served")
-        error = self.adapter_error(query.adapter)
-        if error is not None:
-            raise error
-        runner = self.runner
-        result = await runner.engine.run(runner.engine.join(key, lambda: runner.answer(query),
-                                                            query.adapter))
-        runner.flush_warnings()
-        if type(query) is NextToken and self.adapter_error(query.adapter) is None:
-            self.output_cache.put(query, result)
-        return result
-
-    def reset(self, exc: BaseException | None = None) -> int:
-        """Abort every in-flight request; its callers get ``BatcherClosed``."""
-        return self.runner.engine.reset(
-            str(exc) if exc is not None else "pending queries were reset (reset_async_queries)")
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.reset(BatcherClosed("the model was closed (aclose) while this query ran"))
-
-
-def flat_row(flat, width: int) -> torch.Tensor:
-    """float32 ``[width]`` from one position of full-vocabulary ``FlatLogprobs``.
-
-    Raises:
-        RuntimeError: vLLM returned fewer than ``width`` entries.
-    """
-    start, end = flat.start_indices[0], flat.end_indices[0]
-    ids = torch.tensor(flat.token_ids[start:end], dtype=torch.long)
-    row = torch.full((width,), -math.inf, dtype=torch.float32)
-    row[ids] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
-    seen = torch.zeros(width, dtype=torch.bool)
-    seen[ids] = True
-    if not bool(seen.all()):
-        raise RuntimeError(f"vLLM returned log-probs for {int(seen.sum())} of {width} tokens; "
-                           "expected the full vocabulary (logprobs=-1)")
-    return row
-
-
-def prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The log-probs (float32 ``[n]``) and vLLM ranks (int64 ``[n]``; rank 1 is the argmax) of
-    the last ``n`` prompt tokens from vLLM's prompt log-probs (position ``i`` holds prompt token
-    ``i``'s own entry first, then the top-k).
-
-    Raises:
-        RuntimeError: an entry is for another token than the prompt's.
-    """
-    values, ranks = [], []
-    for pos in range(len(prompt) - n, len(prompt)):
-        at = flat.start_indices[pos]
-        if flat.token_ids[at] != prompt[pos]:
-            raise RuntimeError(f"vLLM prompt log-probs at position {pos} are for token "
-                               f"{flat.token_ids[at]}, not {prompt[pos]}")
-        values.append(flat.logprobs[at])
-        ranks.append(flat.ranks[at])
-    return torch.tensor(values, dtype=torch.float32), torch.tensor(ranks, dtype=torch.long)

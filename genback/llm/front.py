@@ -1,0 +1,212 @@
+"""``Front``: the one path every query of an ``AsyncLM`` takes, whatever its kind and backend.
+
+It holds, as explicit parts:
+
+* the input checks: token ids (:class:`.inputs.ContextChecker`: a context that extends a validated
+  one is checked in work independent of its length), the model's window;
+* the output cache (:class:`~genback.output_cache.OutputCache`) of next-token rows, written in one
+  place (:meth:`Front.store`) for every scheduler;
+* the counters (``queries``, ``tokens_queried``);
+* the forward lock, which serialises the runner's use;
+* the scheduler, built from what the runner declares (:class:`~genback.runner.Capabilities`):
+  genback's :class:`~genback.batcher.Batcher` (its batches go to :meth:`Front.compute` on the worker
+  thread), or :class:`~genback.batcher.Immediate` for a runner whose engine batches by itself
+  (each query goes to :meth:`Front.answer_one`).
+
+A query's path: ``AsyncLM`` method -> :meth:`Front.context` -> the query kind -> :meth:`Front.ask`
+-> output cache or scheduler -> :meth:`Front.compute` (the worker) -> ``runner.run`` -> the
+runner's plan and forwards -> :meth:`Front.store` -> the caller's future.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from ..batcher import Batcher, BatcherClosed, Immediate
+from ..output_cache import OutputCache
+from ..query import NextToken, Query, Score
+from ..runner import Capabilities
+from .inputs import ContextChecker, check_positive_int
+
+
+class Front:
+    """Checks, output cache, counters, forward lock and scheduler in front of one runner.
+
+    Args:
+        runner: the backend runner (:class:`genback.runner.Runner`).
+        vocab_size: the logit width ``V`` (ids must lie in ``[0, V)``).
+        max_context_length: most tokens a forward's inputs may have (None: no limit).
+        row_cache_size: most next-token rows kept (0 disables the output cache).
+        batch_size: most distinct queries per batch (>= 1).
+        batch_window: seconds a batch waits for more queries, from its first (finite, >= 0).
+
+    Raises:
+        ValueError: an option out of range.
+    """
+
+    def __init__(self, runner, *, vocab_size: int, max_context_length: int | None,
+                 row_cache_size: int, batch_size: int, batch_window: float):
+        self.runner = runner
+        self.capabilities: Capabilities = getattr(runner, "capabilities", Capabilities())
+        self.vocab_size = vocab_size
+        self.max_context_length = max_context_length
+        self.contexts = ContextChecker(vocab_size)
+        self.cache = OutputCache(row_cache_size)
+        self.lock = threading.RLock()  # the forward lock: one runner call at a time
+        # None when adapter key `adapter` can still be computed, else the error for its callers
+        self.adapter_error: Callable[[int | None], Exception | None] = lambda adapter: None
+        size = check_positive_int(batch_size, "batch_size")
+        if self.capabilities.batching == "engine":
+            self.scheduler = Immediate(self.answer_one, runner.reset, window=batch_window,
+                                       max_batch_size=size, count=runner.requests)
+        else:
+            self.scheduler = Batcher(self.compute, window=batch_window, max_batch_size=size)
+        self._stats_lock = threading.Lock()
+        self.queries = 0
+        self.tokens_queried = 0
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def context(self, token_ids, name: str = "token_ids") -> tuple[tuple[int, ...], int]:
+        """``(ids, context_hash(ids))`` of a checked context.
+
+        Raises:
+            TypeError / ValueError: bad ids (the message names ``name``), or more tokens than
+                ``max_context_length``.
+        """
+        ids, h = self.contexts.check(token_ids, name)
+        if self.max_context_length and len(ids) > self.max_context_length:
+            raise ValueError(f"{name} has {len(ids)} tokens, more than the model's context of "
+                             f"{self.max_context_length}")
+        return ids, h
+
+    def score(self, context_ids, continuation_ids, greedy: bool, adapter: int | None) -> Score:
+        """The :class:`~genback.query.Score` of a continuation after a context. The window counts
+        the forward's inputs, ``context + continuation[:-1]`` (the last token is never an input).
+
+        Raises:
+            TypeError / ValueError: bad or empty ids, or inputs longer than the window.
+        """
+        context = self.context(context_ids, "context_ids")[0]
+        continuation = self.contexts(continuation_ids, "continuation_ids")
+        inputs = len(context) + len(continuation) - 1
+        window = self.max_context_length
+        if window:
+            window -= self.capabilities.score_extra_positions
+        if window and inputs > window:
+            raise ValueError(
+                f"context_ids + continuation_ids[:-1] has {inputs} tokens ({len(context)} + "
+                f"{len(continuation) - 1}), more than the model's context of {window}")
+        return Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
+
+    def check_open(self) -> None:
+        """Raises ``BatcherClosed`` once the model is closed."""
+        if self.scheduler.closed:
+            raise BatcherClosed("the model was closed (aclose); no more queries are served")
+
+    def count(self, n_tokens: int) -> None:
+        with self._stats_lock:
+            self.queries += 1
+            self.tokens_queried += n_tokens
+
+    # -- the path -------------------------------------------------------------------------------
+
+    async def ask(self, query: Query):
+        """The result of a checked ``query`` (shared: callers copy what they hand out).
+
+        Raises:
+            BatcherClosed: the model was closed or reset while the query waited.
+            Exception: the error that fails this query (e.g. its adapter was removed).
+        """
+        self.check_open()
+        self.count(len(query.tokens))
+        if type(query) is NextToken:
+            row = self.cache.get(query)
+            if row is not None:
+                return row
+        return await self.scheduler.submit(query, query)
+
+    def enqueue(self, query: Query):
+        """:meth:`ask` as a future on the running loop (genlm-backend's ``add_query``)."""
+        self.check_open()
+        self.count(len(query.tokens))
+        return self.scheduler.enqueue(query, query)
+
+    def ask_sync(self, queries: list[Query]) -> list:
+        """Results of distinct checked queries, computed on the calling thread in one batch.
+
+        Raises:
+            Exception: the first query's error, if any failed.
+        """
+        self.check_open()
+        for q in queries:
+            self.count(len(q.tokens))
+        results = self.compute(queries)
+        for value in results:
+            if isinstance(value, BaseException):
+                raise value
+        return results
+
+    def store(self, query: Query, value) -> None:
+        """Keep a computed next-token row (the only place the output cache is written)."""
+        if type(query) is NextToken and not isinstance(value, BaseException):
+            self.cache.put(query, value)
+
+    def compute(self, queries: list[Query]) -> list:
+        """One result per query (the batch function of the worker, or of a sync caller): a row
+        cached since the query was submitted, else the runner's result, or the exception that
+        fails only that query (its adapter was removed while it waited, or it cannot fit)."""
+        results: list = [None] * len(queries)
+        todo = []
+        for i, q in enumerate(queries):
+            row = self.cache.get(q) if type(q) is NextToken else None
+            if row is not None:
+                results[i] = row
+            else:
+                todo.append(i)
+        if todo:
+            with self.lock:
+                self.check_open()
+                for i in todo:
+                    results[i] = self.adapter_error(queries[i].adapter)
+                todo = [i for i in todo if results[i] is None]
+                computed = self.runner.run([queries[i] for i in todo]) if todo else []
+            for i, value in zip(todo, computed):
+                results[i] = value
+                self.store(queries[i], value)
+        return results
+
+    async def answer_one(self, query: Query):
+        """One query through a runner that schedules by itself (``Immediate``).
+
+        Raises:
+            ValueError: its adapter was removed or replaced (before or while it ran).
+            Exception: the runner's error for this query.
+        """
+        error = self.adapter_error(query.adapter)
+        if error is not None:
+            raise error
+        value = await self.runner.answer_shared(query)
+        if self.adapter_error(query.adapter) is None:
+            self.store(query, value)
+        return value
+
+    def info(self) -> dict:
+        """The front's counters for ``cache_info()``."""
+        return {
+            "queries": self.queries,
+            "tokens_queried": self.tokens_queried,
+            "row_hits": self.cache.hits,
+            "batches": self.scheduler.batches,
+            "batched_queries": self.scheduler.queries,
+            "rows_cached": len(self.cache),
+            "rows_bytes": self.cache.bytes_held,
+        }
+
+    def close(self) -> None:
+        """Stop the scheduler (pending queries fail), close the runner, drop the rows."""
+        self.scheduler.close()
+        with self.lock:
+            self.runner.close()
+        self.cache.clear()
