@@ -232,9 +232,13 @@ async def test_clear_cache_keeps_the_pinned_prompt(tiny_hf, gpt2_tok):
 async def test_token_logprobs_longer_than_the_window_is_refused(tiny_hf, gpt2_tok):
     lm = AsyncTransformer(tiny_hf, gpt2_tok)  # n_positions = 512
     try:
-        with pytest.raises(ValueError, match=r"context_ids \+ continuation_ids has 600 tokens"):
+        # the forward's inputs are counted (context + continuation[:-1]; genback.window)
+        with pytest.raises(ValueError, match=r"context_ids \+ continuation_ids has 300 \+ 300 "
+                                             r"tokens: the forward takes 599 inputs"):
             await lm.token_logprobs([1] * 300, [2] * 300)
         assert lm.cache_info()["forwards"] == 0
+        # exactly 512 inputs (513 tokens, as lm-eval's HFLM truncates to) fit
+        assert (await lm.token_logprobs([1] * 301, [2] * 212)).shape == (212,)
     finally:
         await lm.aclose()
 

@@ -113,15 +113,9 @@ class GenbackLM(TemplateLM):
         """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``."""
         items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
                  for _, ctx, cont in requests]  # the session truncates to its window
-        results: list = []
-        # one session call per 8 chunks (the session orders each call for sharing, then sends
-        # it in chunks of max_in_flight); the bar moves per call
-        step = 8 * self.session.max_in_flight
         with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
-            for start in range(0, len(items), step):
-                outs = self.session.loglikelihood(items[start:start + step])
-                results += [(o.logprob, o.is_greedy) for o in outs]
-                bar.update(len(outs))
+            outs = self.session.loglikelihood(items, progress=bar.update)
+        results = [(o.logprob, o.is_greedy) for o in outs]
         for (pair, _, _), res in zip(requests, results):
             if pair is not None:
                 self.cache_hook.add_partial("loglikelihood", pair, res)
