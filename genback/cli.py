@@ -477,7 +477,8 @@ LM_EVAL_HELP = (
     "'--model genback' is added when no --model is given. Example (offline, a local task "
     "folder): genback lm-eval --model_args pretrained=smollm2-135m --tasks my_task "
     "--include_path ./tasks --limit 20. genback's model_args: pretrained (alias, folder or Hub "
-    "id), backend (hf, vllm, mock), max_length, max_gen_toks, batch_size (requests in flight).")
+    "id), backend (hf, vllm, mlx, mock), max_length, max_gen_toks, max_in_flight (requests in "
+    "flight; lm-eval's --batch_size is accepted and not used: genback batches by itself).")
 
 
 def cmd_lm_eval(args: list[str]) -> int:

@@ -58,26 +58,28 @@ class GenbackLM(TemplateLM):
             the model is not closed with this object).
         max_length: model window in tokens (default: the model's).
         max_gen_toks: default most new tokens for ``generate_until`` (256, as lm-eval).
-        batch_size: requests in flight per call (lm-eval's option; "auto" or None: 256).
+        batch_size: lm-eval's option, accepted and not used: genback's own batcher decides how
+            requests share forwards (at lm-eval's default ``batch_size=1`` as at any other), so
+            it is not a throttle. Bound the requests in flight with ``max_in_flight``.
+        max_in_flight: most requests of one call in flight at once (default 256).
         device: lm-eval's ``--device``; for the hf backend a non-CPU device becomes
-            ``hf_opts={"device_map": device}`` unless ``hf_opts`` is given. lm-eval's CLI
-            passes ``"cuda"`` by default: without CUDA it is ignored (the model stays on the
-            CPU), as ``HFLM`` does.
-        max_batch_size: accepted for lm-eval's CLI and ignored (batches are formed by genback).
+            ``hf_opts={"device_map": device}`` unless ``hf_opts`` is given. Without CUDA a CUDA
+            device falls back to the CPU (as ``HFLM`` does); only a device the user asked for
+            is warned about, not lm-eval's own default ``"cuda:0"``.
+        max_batch_size: accepted for lm-eval's CLI and not used (batches are formed by genback).
         **llm_opts: options for the backend's ``from_name``.
     """
 
     def __init__(self, pretrained: str = "smollm2-135m", backend: str = "hf", lm=None,
                  max_length: int | None = None, max_gen_toks: int = 256, batch_size=None,
-                 max_batch_size=None, device=None, **llm_opts):
+                 max_batch_size=None, device=None, max_in_flight: int = 256, **llm_opts):
         super().__init__()
-        in_flight = batch_size if isinstance(batch_size, int) and batch_size > 0 else 256
-        if isinstance(batch_size, str) and batch_size.isdigit():
-            in_flight = int(batch_size)
+        if isinstance(max_in_flight, str) and max_in_flight.isdigit():  # from --model_args
+            max_in_flight = int(max_in_flight)
         if _usable_device(device) and lm is None and backend == "hf" and "hf_opts" not in llm_opts:
             llm_opts["hf_opts"] = {"device_map": device}
         engine = GenbackEngine(backend=backend, lm=lm, llm_opts=llm_opts, max_length=max_length,
-                               max_in_flight=in_flight, errors="raise")
+                               max_in_flight=max_in_flight, errors="raise")
         self.session = engine.build(pretrained)
         self.tokenizer = self.session.tokenizer
         self.pretrained = pretrained
@@ -165,14 +167,21 @@ class GenbackLM(TemplateLM):
         self.session.close()
 
 
+# what lm-eval passes as ``device`` when the user gave none (its EvaluatorConfig default)
+_LM_EVAL_DEFAULT_DEVICE = "cuda:0"
+
+
 def _usable_device(device) -> bool:
+    """Whether to place the model on ``device``; an unusable CUDA device falls back to the CPU
+    with a warning only when the user asked for it (not lm-eval's own default)."""
     if not device or str(device) == "cpu":
         return False
     if str(device).startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            log.warning("device %r requested but CUDA is not available: using the CPU", device)
+            level = logging.DEBUG if str(device) == _LM_EVAL_DEFAULT_DEVICE else logging.WARNING
+            log.log(level, "device %r requested but CUDA is not available: using the CPU", device)
             return False
     return True
 
