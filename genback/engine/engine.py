@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..backends import BACKEND_NAMES, check_backend
 from .base import BaseEngine
 from .session import GenbackSession
 
 __all__ = ["GenbackEngine", "BACKENDS", "model_name"]
 
-BACKENDS = ("hf", "vllm", "mock")
+#: the backend names (from the one table, :data:`genback.backends.BACKENDS`)
+BACKENDS = BACKEND_NAMES
 
 
 def model_name(model: Any) -> str:
@@ -33,8 +35,10 @@ class GenbackEngine(BaseEngine):
     """Build sessions that run genback's async models.
 
     Args:
-        backend: ``"hf"`` (``AsyncTransformer``), ``"vllm"`` (``AsyncVirtualLM``) or ``"mock"``
-            (``MockAsyncLM``); models are loaded with ``genback.llm.load_model_by_name``.
+        backend: ``"hf"`` (``AsyncTransformer``), ``"vllm"`` (``AsyncVirtualLM``), ``"mlx"``
+            (``AsyncMlxLM``) or ``"mock"`` (``MockAsyncLM``): the table
+            :data:`genback.backends.BACKENDS`; models are loaded with
+            ``genback.llm.load_model_by_name``.
         llm_opts: keyword options for the backend's ``from_name`` (e.g. ``batch_size``,
             ``kv_budget_bytes``, ``hf_opts={"dtype": torch.bfloat16, "device_map": "cuda"}``).
         lm: an already loaded ``AsyncLM`` to use instead of loading one (``build`` then ignores
@@ -56,8 +60,7 @@ class GenbackEngine(BaseEngine):
     errors: str = "record"
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_backend(self.backend)
 
     def build(self, model: Any = None) -> GenbackSession:
         """A session for ``model`` (embedded alias, local folder, Hub id, or an object with a
