@@ -38,9 +38,10 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("mock", "MockAsyncLM",
             "made-up, deterministic log-probs over the model's real tokenizer (no computing)"),
 )}
+"""Every backend by name: its class, a summary for help texts, its install hint."""
 
-#: the backend names, in the order help texts list them
 BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+"""The backend names, in the order help texts list them."""
 
 
 def check_backend(name) -> str:

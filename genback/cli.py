@@ -171,6 +171,8 @@ def _load_failure(args, exc: BaseException) -> str:
 
 
 def cmd_models(args) -> int:
+    """``genback models``: each embedded alias, whether it is converted, its cache folder and
+    the packages it still needs; returns 0 and raises nothing."""
     print(f"{'alias':<16} {'ready':<6} {'package':<14} description")
     for alias, m in EMBEDDED_MODELS.items():
         ready = is_ready(alias)
@@ -192,6 +194,11 @@ def _encode(lm, prompt: str) -> list[int]:
 
 
 def cmd_logprobs(args) -> int:
+    """``genback logprobs``: the top-K next tokens after the prompt; returns 0.
+
+    Raises:
+        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
+    """
     lm = _load(args)
     ids = _encode(lm, args.prompt)
     row = lm.next_token_logprobs_sync(ids)
@@ -262,6 +269,12 @@ def next_char_masses(trie, mass, whole_chars: bool = True) -> list[tuple[bytes, 
 
 
 def cmd_chars(args) -> int:
+    """``genback chars``: the top-K next characters after the prompt (token-character trie);
+    returns 0.
+
+    Raises:
+        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
+    """
     from .trie import TokenCharacterTrie
 
     lm = _load(args)
@@ -290,6 +303,11 @@ def cmd_chars(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    """``genback sample``: concurrent samplers and their batching statistics; returns 0.
+
+    Raises:
+        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
+    """
     lm = _load(args)
     ids = _encode(lm, args.prompt)
     eos = [lm.tokenizer.eos_token_id] if lm.tokenizer.eos_token_id is not None else []
@@ -332,6 +350,12 @@ def cmd_sample(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """``genback eval``: a local JSONL task on a model, its metrics printed; returns 0.
+
+    Raises:
+        UsageError: the task file cannot be read or parsed, or the model cannot be loaded.
+        OSError: ``--output`` cannot be written.
+    """
     from .engine.tasks import load_task, run_task, write_records
 
     try:
@@ -491,6 +515,10 @@ def main(argv=None) -> int:
     0 on success; 2 for bad input (argparse errors, an empty prompt, a model or backend that
     cannot be loaded), printed as one line ``genback CMD: error: ...``; 1 for any other error,
     also one line; 130 when interrupted. ``--debug`` re-raises instead (full traceback).
+
+    Raises:
+        SystemExit: argparse's own exits (``--help``, ``--version``, usage errors).
+        Exception: with ``--debug``, the error itself.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser

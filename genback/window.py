@@ -70,8 +70,9 @@ def truncate_pair(ctx: Sequence[int], cont: Sequence[int], window: int | None
         window: the model's window in tokens; None or 0 means no limit.
 
     Returns:
-        ``(context, continuation)`` as new lists: the continuation whole, the context's last
-        ``window + 1 - len(cont)`` tokens when the pair is too long (at least one), else whole.
+        The pair `(context, continuation)` as new lists, the continuation whole and the
+            context cut to its last `window + 1 - len(cont)` tokens when the pair is too long
+            (at least one token), else whole.
 
     Raises:
         ValueError: the continuation alone has more than ``window`` tokens (it would need more

@@ -67,7 +67,10 @@ class GenbackEngine(BaseEngine):
         ``path``; default ``"smollm2-135m"``), or for ``lm`` when one was given.
 
         Raises:
-            ValueError: the model cannot be loaded (see ``load_model_by_name``).
+            TypeError: ``model`` is neither a str nor has a str ``path``.
+            ValueError: the model cannot be loaded (see ``load_model_by_name``), or a session
+                option is out of range (see :class:`GenbackSession`).
+            ImportError: the backend's package is not installed (vLLM, mlx-lm).
         """
         if self.lm is not None:
             lm, owns = self.lm, False
@@ -84,7 +87,8 @@ class GenbackEngine(BaseEngine):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as plain data (a given ``lm`` appears as its class name)."""
+        """The configuration as plain data (a given ``lm`` appears as its class name); raises
+        nothing."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lm"}
         out["llm_opts"] = {k: repr(v) if not isinstance(v, (str, int, float, bool, type(None)))
                            else v for k, v in self.llm_opts.items()}

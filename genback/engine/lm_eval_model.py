@@ -112,7 +112,9 @@ class GenbackLM(TemplateLM):
         return self.tokenizer.decode(tokens, **kwargs)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``."""
+        """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``;
+        pairs longer than the window are truncated on the left as ``HFLM`` does; a
+        continuation longer than the window raises ``ValueError`` (``HFLM`` asserts)."""
         items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
                  for _, ctx, cont in requests]  # the session truncates to its window
         with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
@@ -124,6 +126,12 @@ class GenbackLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Total log-prob of each request's text (``req.args[0]``) in lm-eval's disjoint rolling
+        windows at the model's window (:func:`genback.window.rolling_windows`).
+
+        Raises:
+            ValueError: a text that tokenizes to no tokens (the run stops, as with ``HFLM``).
+        """
         texts = [req.args[0] for req in requests]
         outs = self.session.loglikelihood_rolling([RollingLoglikelihoodRequest(t) for t in texts])
         for text, out in zip(texts, outs):
@@ -131,6 +139,13 @@ class GenbackLM(TemplateLM):
         return [out.logprob for out in outs]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """The generated text of each request (``req.args = (context, gen_kwargs)``), greedy
+        unless ``do_sample``; stops at ``until`` strings, EOS or ``max_gen_toks``.
+
+        Raises:
+            TypeError / ValueError: bad ``gen_kwargs`` (from lm-eval's normalisation or
+                genback's generation config), or a prompt longer than the window.
+        """
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
         eos = self.tokenizer.decode([self.eot_token_id]) if self.eot_token_id is not None else None
@@ -154,6 +169,11 @@ class GenbackLM(TemplateLM):
         return results
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """The chat rendered with the tokenizer's template (a str, not ids).
+
+        Raises:
+            ValueError: the tokenizer has no chat template (from transformers).
+        """
         return self.tokenizer.apply_chat_template(
             chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -203,7 +223,12 @@ register_lm_eval()
 
 
 def main() -> None:
-    """``lm_eval``'s command line with the ``genback`` model registered."""
+    """``lm_eval``'s command line with the ``genback`` model registered.
+
+    Raises:
+        SystemExit: lm-eval's own exits (argument errors, ``--help``); other errors of the run
+            propagate with their traceback (``genback lm-eval`` prints them in one line).
+    """
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()  # reads sys.argv (lm-eval inserts its "run" subcommand when none is given)

@@ -246,7 +246,13 @@ class GenbackSession(BaseInferenceSession):
                                  batch_size: int | None = None
                                  ) -> Iterator[tuple[Any, LoglikelihoodOutput]]:
         """``(request_id, output)`` in completion order; requests are taken from the iterable
-        as earlier ones finish (at most ``batch_size`` or ``max_in_flight`` in flight)."""
+        as earlier ones finish (at most ``batch_size`` or ``max_in_flight`` in flight).
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, a failing
+                request's error (while iterating).
+            SessionClosed: the session is closed.
+        """
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
     async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
@@ -268,7 +274,13 @@ class GenbackSession(BaseInferenceSession):
         """Total log-prob of every token of each text (the text encoded with the tokenizer's
         default special tokens, the first token scored after the prefix token) in windows of at
         most ``max_length`` inputs, as lm-eval's ``loglikelihood_rolling``; ``token_count`` is
-        the number of tokens scored."""
+        the number of tokens scored; windows follow :func:`genback.window.rolling_windows`.
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, the first
+                failing request's ``ValueError`` / ``TypeError`` (after the others finished).
+            SessionClosed: the session is closed.
+        """
         return self._run_all(requests, self._rolling_one, self._rolling_error, batch_size)
 
     # -- generation --------------------------------------------------------------------------------
@@ -305,7 +317,13 @@ class GenbackSession(BaseInferenceSession):
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """One ``GenerationOutput`` per request, in order (see :func:`genback.engine.generation.decode`
         for stopping and metadata, :func:`~genback.engine.generation.generation_config` for
-        greedy vs sampling and the options)."""
+        greedy vs sampling and the options).
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, the first
+                failing request's ``ValueError`` / ``TypeError`` (after the others finished).
+            SessionClosed: the session is closed.
+        """
         return self._run_all(requests, self._generate_one, self._gen_error, batch_size)
 
     def generate_continuous(self, requests: Iterable[tuple[Any, GenerationRequest]], *,
@@ -313,11 +331,23 @@ class GenbackSession(BaseInferenceSession):
                             ) -> Iterator[tuple[Any, GenerationOutput]]:
         """``(request_id, output)`` in completion order while later requests join the running
         batches (at most ``batch_size`` or ``max_in_flight`` in flight). Closing the iterator
-        early cancels the requests still running."""
+        early cancels the requests still running.
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, a failing
+                request's error (while iterating).
+            SessionClosed: the session is closed.
+        """
         return self._continuous(requests, self._generate_one, self._gen_error, batch_size)
 
     async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
-        """Async form of one ``generate`` for callers on their own event loop (errors raise)."""
+        """Async form of one ``generate`` for callers on their own event loop.
+
+        Raises:
+            TypeError / ValueError: a malformed request or a prompt longer than the window
+                (always raised, whatever ``errors`` says).
+            SessionClosed: the session is closed.
+        """
         return await asyncio.wrap_future(self._loop_thread.submit(self._generate_one(request)))
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
@@ -326,7 +356,12 @@ class GenbackSession(BaseInferenceSession):
         Yields :class:`~genback.engine.generation.StreamEvent` objects as tokens are generated,
         the last one with ``event.output``. Leaving the loop early (``break``) or cancelling the
         consuming task cancels the generation: its pending model queries are dropped before they
-        are computed. Errors of the request are raised here.
+        are computed.
+
+        Raises:
+            TypeError / ValueError: the request's own error (a malformed request, a prompt
+                longer than the window), raised from the iteration.
+            SessionClosed: the session is closed, or closed while the generation ran.
         """
         caller = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -357,7 +392,10 @@ class GenbackSession(BaseInferenceSession):
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def gc(self) -> None:
-        """Drop the model's cached rows and unpinned KV (between suites); the model stays."""
+        """Drop the model's cached rows and unpinned KV (between suites); the model stays.
+
+        Does nothing on a closed session; raises nothing.
+        """
         if self._loop_thread.closed:
             return
         self.lm.clear_cache()
@@ -372,7 +410,11 @@ class GenbackSession(BaseInferenceSession):
 
     def close(self) -> None:
         """Cancel running requests, close the model if the session owns it, stop the loop
-        thread. Idempotent; later calls of other methods raise ``SessionClosed``."""
+        thread. Idempotent; later calls of other methods raise ``SessionClosed``.
+
+        Raises:
+            RuntimeError: called from the session's own loop thread (it would wait on itself).
+        """
         self._loop_thread.close(self.lm.aclose if self._owns_lm else None)
 
     @property
@@ -386,7 +428,12 @@ class GenbackSession(BaseInferenceSession):
         self.close()
 
     def describe_execution(self) -> dict[str, Any]:
-        """Stable facts about how requests run (no counters, no object ids)."""
+        """Stable facts about how requests run (no counters, no object ids); raises nothing.
+
+        Returns:
+            a JSON-serialisable dict: ``backend``, ``model_class``, ``device``, ``batching``,
+            ``lm_batch_size``, ``kv_cache``, ``max_length``, ``pair_encoding``, ``errors``.
+        """
         lm = self.lm
         device = getattr(lm, "device", None)
         return {
