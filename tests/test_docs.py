@@ -71,3 +71,20 @@ def test_page_runs(page, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, f"{page}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def _quickstart_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Quickstart"):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    install_main, install_tests = _quickstart_commands()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert install_tests in ci and install_tests.endswith("python -m pytest -q")
+    # torch comes from PyTorch's CPU index everywhere the docs install it: from PyPI alone the
+    # same pin resolves the CUDA build
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+    assert install_main.startswith(cpu) and install_tests.startswith(cpu)
+    assert cpu in (DOCS / "index.md").read_text()

@@ -12,7 +12,8 @@ import torch
 
 from genback.engine import (GenbackEngine, GenerationRequest, LoglikelihoodRequest,
                             RollingLoglikelihoodRequest, SessionClosed)
-from genback.engine.encoding import encode_pair, rolling_windows
+from genback.engine.encoding import encode_pair
+from genback.window import rolling_windows
 from genback.llm import AsyncTransformer
 
 
@@ -355,7 +356,7 @@ async def session_idle(session, polls: int = 1000) -> None:
         return len(asyncio.all_tasks()) - 1
 
     for _ in range(polls):
-        if not await asyncio.wrap_future(session._runner.submit(others())):
+        if not await asyncio.wrap_future(session._loop_thread.submit(others())):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the session's loop still runs tasks")

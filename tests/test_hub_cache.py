@@ -73,7 +73,8 @@ def test_hub_id_loads_offline_from_local_cache(hf_home, module_smol_lm):
     assert got["top"] == " Paris" and abs(got["max"] - (-0.258)) < 5e-3
     ids = module_smol_lm.tokenizer.encode("The capital of France is")
     want = module_smol_lm.next_token_logprobs_uncached(ids)[:2000]
-    assert (torch.tensor(got["row"]) - want).abs().max() < 1e-5
+    # 1e-4: the promise for SmolLM2 (README, Exactness); a fresh process may round differently
+    assert (torch.tensor(got["row"]) - want).abs().max() < 1e-4
 
 
 def test_hub_id_loads_offline_on_mlx(hf_home, module_smol_lm):

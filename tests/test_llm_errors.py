@@ -234,10 +234,11 @@ async def test_token_logprobs_longer_than_the_window_is_refused(tiny_hf, gpt2_to
     never an input, as lm-eval's HFLM counts): 512 inputs fit the tiny model's 512, 513 fail."""
     lm = AsyncTransformer(tiny_hf, gpt2_tok)  # n_positions = 512
     try:
-        with pytest.raises(ValueError,
-                           match=r"context_ids \+ continuation_ids\[:-1\] has 599 tokens"):
+        # the forward's inputs are counted (context + continuation[:-1]; genback.window)
+        with pytest.raises(ValueError, match=r"context_ids \+ continuation_ids has 300 \+ 300 "
+                                             r"tokens: the forward takes 599 inputs"):
             await lm.token_logprobs([1] * 300, [2] * 300)
-        with pytest.raises(ValueError, match="has 513 tokens"):
+        with pytest.raises(ValueError, match="the forward takes 513 inputs"):
             await lm.token_logprobs([1] * 257, [2] * 257)
         assert lm.cache_info()["forwards"] == 0
         lps = await lm.token_logprobs([1] * 256, [2] * 257)  # 512 inputs: the whole window

@@ -23,7 +23,7 @@ pytest.importorskip("mlx_lm", reason='mlx-lm is not installed: pip install "genb
 from genback.llm import AsyncMlxLM, BatcherClosed, load_model_by_name  # noqa: E402
 
 CROSS_TOL = 1e-3  # MLX fp32 vs HF fp32 (different kernels)
-SELF_TOL = 1e-5  # MLX cached / batched paths vs MLX uncached
+SELF_TOL = 1e-4  # MLX cached / batched paths vs MLX uncached on SmolLM2 (the README's promise: 1e-4)
 
 TEXT = (
     "Once upon a time, in a small village by the sea, there lived an old fisherman who told "

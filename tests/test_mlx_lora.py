@@ -120,7 +120,7 @@ def test_rows_under_adapters_equal_fused_models_and_base_is_untouched(lm, adapte
         assert (got_a - got_base).abs().max() > 1e-2 and (got_a - got_b).abs().max() > 1e-2
     # the uncached reference path and the sync form take the adapter too
     c = contexts[0]
-    assert (lm.next_token_logprobs_uncached(c, lora_name="a") - rows[0]).abs().max() < 1e-5
+    assert (lm.next_token_logprobs_uncached(c, lora_name="a") - rows[0]).abs().max() < 1e-4
     assert torch.equal(lm.next_token_logprobs_sync(c, lora_name="b"), rows[2])
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from genback.engine import GenbackEngine, LoglikelihoodRequest, RollingLoglikelihoodRequest
-from genback.engine.encoding import encode_pair, rolling_windows
+from genback.engine.encoding import encode_pair
+from genback.window import rolling_windows
 from genback.engine.scoring import sharing_order
 from genback.llm import AsyncTransformer, MockAsyncLM
 

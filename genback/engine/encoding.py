@@ -11,7 +11,8 @@ log-likelihoods equal ``HFLM``'s on the same model:
   (so the continuation ids are the ones the joint text tokenizes to);
 * an empty context is replaced by the *prefix token*: BOS, or EOS when there is no BOS;
 * a rolling (perplexity) text is scored in disjoint windows of at most ``max_length`` predicted
-  tokens, the first conditioned on the prefix token.
+  tokens, the first conditioned on the prefix token; the window rules (truncation and rolling
+  windows) live in :mod:`genback.window`, shared with ``AsyncLM``.
 
 Evalution's own Transformers engine encodes the context and the continuation separately and
 keeps trailing whitespace on the context; both conventions give the same ids for the usual
@@ -22,10 +23,7 @@ the default) and offers Evalution's (``pair_encoding="separate"``). Requests tha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair", "truncate_pair",
-           "rolling_windows"]
+__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair"]
 
 PAIR_ENCODINGS = ("lm_eval", "separate")
 
@@ -87,47 +85,3 @@ def encode_pair(tokenizer, context: str, continuation: str, mode: str = "lm_eval
     whole = encode_text(tokenizer, context + continuation)
     ctx = encode_text(tokenizer, context)
     return ctx, whole[len(ctx):]
-
-
-def truncate_pair(ctx: list[int], cont: list[int], max_length: int | None
-                  ) -> tuple[list[int], list[int]]:
-    """Left-truncate the context so that ``len(ctx) + len(cont) <= max_length + 1`` (the last
-    continuation token is only a target, never an input), as lm-eval does.
-
-    Raises:
-        ValueError: the continuation alone needs more than ``max_length`` inputs.
-    """
-    if not max_length or len(ctx) + len(cont) <= max_length + 1:
-        return ctx, cont
-    if len(cont) > max_length:
-        raise ValueError(f"the continuation has {len(cont)} tokens; the model's window is "
-                         f"{max_length} tokens")
-    return ctx[len(ctx) + len(cont) - max_length - 1:], cont
-
-
-def rolling_windows(tokens: list[int], prefix: int, max_length: int
-                    ) -> Iterator[tuple[list[int], list[int]]]:
-    """Disjoint ``(context, targets)`` windows that score every token of ``tokens`` once.
-
-    The first window predicts up to ``max_length`` tokens from ``[prefix] + tokens``; each later
-    window predicts the next (up to) ``max_length`` tokens conditioned on the tokens before them,
-    with at most ``max_length`` model inputs (lm-eval's ``get_rolling_token_windows`` with
-    ``context_len=1`` followed by ``make_disjoint_window``).
-
-    Raises:
-        ValueError: ``max_length < 1``.
-    """
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
-    n = len(tokens)
-    if n == 0:
-        return
-    first = min(max_length, n)
-    yield [prefix], tokens[:first]  # inputs [prefix] + tokens[:first - 1]
-    done = first
-    while done < n:
-        size = min(n - done, max_length)
-        end = done + size
-        # inputs tokens[end - 1 - max_length : end - 1]; the last size - 1 are targets' inputs
-        yield tokens[end - 1 - max_length: done], tokens[done:end]
-        done = end

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..backends import BACKEND_NAMES, check_backend
 from .base import BaseEngine
 from .session import GenbackSession
 
 __all__ = ["GenbackEngine", "BACKENDS", "model_name"]
 
-BACKENDS = ("hf", "vllm", "mock")
+#: the backend names (from the one table, :data:`genback.backends.BACKENDS`)
+BACKENDS = BACKEND_NAMES
 
 
 def model_name(model: Any) -> str:
@@ -33,8 +35,10 @@ class GenbackEngine(BaseEngine):
     """Build sessions that run genback's async models.
 
     Args:
-        backend: ``"hf"`` (``AsyncTransformer``), ``"vllm"`` (``AsyncVirtualLM``) or ``"mock"``
-            (``MockAsyncLM``); models are loaded with ``genback.llm.load_model_by_name``.
+        backend: ``"hf"`` (``AsyncTransformer``), ``"vllm"`` (``AsyncVirtualLM``), ``"mlx"``
+            (``AsyncMlxLM``) or ``"mock"`` (``MockAsyncLM``): the table
+            :data:`genback.backends.BACKENDS`; models are loaded with
+            ``genback.llm.load_model_by_name``.
         llm_opts: keyword options for the backend's ``from_name`` (e.g. ``batch_size``,
             ``kv_budget_bytes``, ``hf_opts={"dtype": torch.bfloat16, "device_map": "cuda"}``).
         lm: an already loaded ``AsyncLM`` to use instead of loading one (``build`` then ignores
@@ -56,15 +60,17 @@ class GenbackEngine(BaseEngine):
     errors: str = "record"
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_backend(self.backend)
 
     def build(self, model: Any = None) -> GenbackSession:
         """A session for ``model`` (embedded alias, local folder, Hub id, or an object with a
         ``path``; default ``"smollm2-135m"``), or for ``lm`` when one was given.
 
         Raises:
-            ValueError: the model cannot be loaded (see ``load_model_by_name``).
+            TypeError: ``model`` is neither a str nor has a str ``path``.
+            ValueError: the model cannot be loaded (see ``load_model_by_name``), or a session
+                option is out of range (see :class:`GenbackSession`).
+            ImportError: the backend's package is not installed (vLLM, mlx-lm).
         """
         if self.lm is not None:
             lm, owns = self.lm, False
@@ -81,7 +87,8 @@ class GenbackEngine(BaseEngine):
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as plain data (a given ``lm`` appears as its class name)."""
+        """The configuration as plain data (a given ``lm`` appears as its class name); raises
+        nothing."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lm"}
         out["llm_opts"] = {k: repr(v) if not isinstance(v, (str, int, float, bool, type(None)))
                            else v for k, v in self.llm_opts.items()}

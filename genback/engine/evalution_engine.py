@@ -38,32 +38,71 @@ class GenbackEvalutionSession(ev.BaseInferenceSession):
         self.session = session
 
     def generate(self, requests, *, batch_size=None):
+        """Evalution ``GenerationOutput`` objects, one per request, in order.
+
+        Raises:
+            ValueError / TypeError / SessionClosed: as :meth:`GenbackSession.generate
+                <genback.engine.session.GenbackSession.generate>`.
+        """
         return [_convert(o, ev.GenerationOutput)
                 for o in self.session.generate(requests, batch_size=batch_size)]
 
     def generate_continuous(self, requests: Iterable, *, batch_size=None) -> Iterator:
+        """``(request_id, GenerationOutput)`` in completion order.
+
+        Raises:
+            ValueError / TypeError / SessionClosed: as :meth:`GenbackSession.generate_continuous
+                <genback.engine.session.GenbackSession.generate_continuous>`.
+        """
         for request_id, o in self.session.generate_continuous(requests, batch_size=batch_size):
             yield request_id, _convert(o, ev.GenerationOutput)
 
     def loglikelihood(self, requests, *, batch_size=None):
+        """Evalution ``LoglikelihoodOutput`` objects, one per request, in order.
+
+        Raises:
+            ValueError / TypeError / SessionClosed: as :meth:`GenbackSession.loglikelihood
+                <genback.engine.session.GenbackSession.loglikelihood>`.
+        """
         return [_convert(o, ev.LoglikelihoodOutput)
                 for o in self.session.loglikelihood(requests, batch_size=batch_size)]
 
     def loglikelihood_continuous(self, requests: Iterable, *, batch_size=None) -> Iterator:
+        """``(request_id, LoglikelihoodOutput)`` in completion order.
+
+        Raises:
+            ValueError / TypeError / SessionClosed: as :meth:`GenbackSession.loglikelihood_continuous
+                <genback.engine.session.GenbackSession.loglikelihood_continuous>`.
+        """
         for request_id, o in self.session.loglikelihood_continuous(requests, batch_size=batch_size):
             yield request_id, _convert(o, ev.LoglikelihoodOutput)
 
     def loglikelihood_rolling(self, requests, *, batch_size=None):
+        """Evalution ``RollingLoglikelihoodOutput`` objects, one per request.
+
+        Raises:
+            ValueError / TypeError / SessionClosed: as :meth:`GenbackSession.loglikelihood_rolling
+                <genback.engine.session.GenbackSession.loglikelihood_rolling>`.
+        """
         return [_convert(o, ev.RollingLoglikelihoodOutput)
                 for o in self.session.loglikelihood_rolling(requests, batch_size=batch_size)]
 
     def gc(self) -> None:
+        """Drop the model's caches (:meth:`GenbackSession.gc
+        <genback.engine.session.GenbackSession.gc>`); raises nothing."""
         self.session.gc()
 
     def close(self) -> None:
+        """Close the session (idempotent).
+
+        Raises:
+            RuntimeError: called from the session's own loop thread.
+        """
         self.session.close()
 
     def describe_execution(self) -> dict[str, Any]:
+        """:meth:`GenbackSession.describe_execution
+        <genback.engine.session.GenbackSession.describe_execution>`; raises nothing."""
         return self.session.describe_execution()
 
 
@@ -76,7 +115,15 @@ class GenbackEvalutionEngine(GenbackEngine, ev.BaseEngine):
     """
 
     def build(self, model) -> GenbackEvalutionSession:
+        """A session for Evalution's ``model`` (an object with a ``path``, or a name).
+
+        Raises:
+            TypeError: ``model`` is neither a str nor has a str ``path``.
+            ValueError / ImportError: the model or its backend cannot be loaded (see
+                ``genback.llm.load_model_by_name``).
+        """
         return GenbackEvalutionSession(GenbackEngine.build(self, model_name(model)))
 
     def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain data, with ``"engine": "genback"``; raises nothing."""
         return {"engine": "genback", **GenbackEngine.to_dict(self)}

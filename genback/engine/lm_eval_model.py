@@ -58,26 +58,28 @@ class GenbackLM(TemplateLM):
             the model is not closed with this object).
         max_length: model window in tokens (default: the model's).
         max_gen_toks: default most new tokens for ``generate_until`` (256, as lm-eval).
-        batch_size: requests in flight per call (lm-eval's option; "auto" or None: 256).
+        batch_size: lm-eval's option, accepted and not used: genback's own batcher decides how
+            requests share forwards (at lm-eval's default ``batch_size=1`` as at any other), so
+            it is not a throttle. Bound the requests in flight with ``max_in_flight``.
+        max_in_flight: most requests of one call in flight at once (default 256).
         device: lm-eval's ``--device``; for the hf backend a non-CPU device becomes
-            ``hf_opts={"device_map": device}`` unless ``hf_opts`` is given. lm-eval's CLI
-            passes ``"cuda"`` by default: without CUDA it is ignored (the model stays on the
-            CPU), as ``HFLM`` does.
-        max_batch_size: accepted for lm-eval's CLI and ignored (batches are formed by genback).
+            ``hf_opts={"device_map": device}`` unless ``hf_opts`` is given. Without CUDA a CUDA
+            device falls back to the CPU (as ``HFLM`` does); only a device the user asked for
+            is warned about, not lm-eval's own default ``"cuda:0"``.
+        max_batch_size: accepted for lm-eval's CLI and not used (batches are formed by genback).
         **llm_opts: options for the backend's ``from_name``.
     """
 
     def __init__(self, pretrained: str = "smollm2-135m", backend: str = "hf", lm=None,
                  max_length: int | None = None, max_gen_toks: int = 256, batch_size=None,
-                 max_batch_size=None, device=None, **llm_opts):
+                 max_batch_size=None, device=None, max_in_flight: int = 256, **llm_opts):
         super().__init__()
-        in_flight = batch_size if isinstance(batch_size, int) and batch_size > 0 else 256
-        if isinstance(batch_size, str) and batch_size.isdigit():
-            in_flight = int(batch_size)
+        if isinstance(max_in_flight, str) and max_in_flight.isdigit():  # from --model_args
+            max_in_flight = int(max_in_flight)
         if _usable_device(device) and lm is None and backend == "hf" and "hf_opts" not in llm_opts:
             llm_opts["hf_opts"] = {"device_map": device}
         engine = GenbackEngine(backend=backend, lm=lm, llm_opts=llm_opts, max_length=max_length,
-                               max_in_flight=in_flight, errors="raise")
+                               max_in_flight=max_in_flight, errors="raise")
         self.session = engine.build(pretrained)
         self.tokenizer = self.session.tokenizer
         self.pretrained = pretrained
@@ -110,24 +112,26 @@ class GenbackLM(TemplateLM):
         return self.tokenizer.decode(tokens, **kwargs)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``."""
+        """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``;
+        pairs longer than the window are truncated on the left as ``HFLM`` does; a
+        continuation longer than the window raises ``ValueError`` (``HFLM`` asserts)."""
         items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
                  for _, ctx, cont in requests]  # the session truncates to its window
-        results: list = []
-        # one session call per 8 chunks (the session orders each call for sharing, then sends
-        # it in chunks of max_in_flight); the bar moves per call
-        step = 8 * self.session.max_in_flight
         with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
-            for start in range(0, len(items), step):
-                outs = self.session.loglikelihood(items[start:start + step])
-                results += [(o.logprob, o.is_greedy) for o in outs]
-                bar.update(len(outs))
+            outs = self.session.loglikelihood(items, progress=bar.update)
+        results = [(o.logprob, o.is_greedy) for o in outs]
         for (pair, _, _), res in zip(requests, results):
             if pair is not None:
                 self.cache_hook.add_partial("loglikelihood", pair, res)
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Total log-prob of each request's text (``req.args[0]``) in lm-eval's disjoint rolling
+        windows at the model's window (:func:`genback.window.rolling_windows`).
+
+        Raises:
+            ValueError: a text that tokenizes to no tokens (the run stops, as with ``HFLM``).
+        """
         texts = [req.args[0] for req in requests]
         outs = self.session.loglikelihood_rolling([RollingLoglikelihoodRequest(t) for t in texts])
         for text, out in zip(texts, outs):
@@ -135,6 +139,13 @@ class GenbackLM(TemplateLM):
         return [out.logprob for out in outs]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """The generated text of each request (``req.args = (context, gen_kwargs)``), greedy
+        unless ``do_sample``; stops at ``until`` strings, EOS or ``max_gen_toks``.
+
+        Raises:
+            TypeError / ValueError: bad ``gen_kwargs`` (from lm-eval's normalisation or
+                genback's generation config), or a prompt longer than the window.
+        """
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 
         eos = self.tokenizer.decode([self.eot_token_id]) if self.eot_token_id is not None else None
@@ -158,6 +169,11 @@ class GenbackLM(TemplateLM):
         return results
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        """The chat rendered with the tokenizer's template (a str, not ids).
+
+        Raises:
+            ValueError: the tokenizer has no chat template (from transformers).
+        """
         return self.tokenizer.apply_chat_template(
             chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -171,14 +187,21 @@ class GenbackLM(TemplateLM):
         self.session.close()
 
 
+# what lm-eval passes as ``device`` when the user gave none (its EvaluatorConfig default)
+_LM_EVAL_DEFAULT_DEVICE = "cuda:0"
+
+
 def _usable_device(device) -> bool:
+    """Whether to place the model on ``device``; an unusable CUDA device falls back to the CPU
+    with a warning only when the user asked for it (not lm-eval's own default)."""
     if not device or str(device) == "cpu":
         return False
     if str(device).startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            log.warning("device %r requested but CUDA is not available: using the CPU", device)
+            level = logging.DEBUG if str(device) == _LM_EVAL_DEFAULT_DEVICE else logging.WARNING
+            log.log(level, "device %r requested but CUDA is not available: using the CPU", device)
             return False
     return True
 
@@ -200,7 +223,12 @@ register_lm_eval()
 
 
 def main() -> None:
-    """``lm_eval``'s command line with the ``genback`` model registered."""
+    """``lm_eval``'s command line with the ``genback`` model registered.
+
+    Raises:
+        SystemExit: lm-eval's own exits (argument errors, ``--help``); other errors of the run
+            propagate with their traceback (``genback lm-eval`` prints them in one line).
+    """
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()  # reads sys.argv (lm-eval inserts its "run" subcommand when none is given)

@@ -30,8 +30,8 @@ from typing import Any, Callable
 from .base import BaseInferenceSession
 from .checks import (check_generation_request, check_loglikelihood_request,
                      check_rolling_request, token_ids)
-from .encoding import (PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id,
-                       truncate_pair)
+from ..window import truncate_pair
+from .encoding import PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id
 from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
 from .scoring import score, score_rolling, sharing_order
@@ -52,8 +52,9 @@ class GenbackSession(BaseInferenceSession):
         lm: the model (``AsyncTransformer``, ``AsyncVirtualLM``, ``MockAsyncLM``, ...).
         owns_lm: close the model (``aclose``) when the session closes.
         backend: the backend name reported by :meth:`describe_execution`.
-        max_length: the model window in tokens for truncation and rolling windows; default the
-            model's ``max_context_length``, else 2048 (lm-eval's default).
+        max_length: the window in tokens for truncation and rolling windows (the inputs of one
+            forward, see :mod:`genback.window`); default the model's ``max_context_length``,
+            else 2048 (lm-eval's default); at most the model's.
         max_in_flight: most requests of one call in flight at once (default 256); a call's
             ``batch_size`` overrides it for that call.
         pair_encoding: ``"lm_eval"`` (default) or ``"separate"``; see :mod:`genback.engine.encoding`.
@@ -61,7 +62,7 @@ class GenbackSession(BaseInferenceSession):
         errors: ``"record"`` or ``"raise"`` (module docstring).
 
     Raises:
-        ValueError: an option out of range.
+        ValueError: an option out of range, or ``max_length`` above the model's window.
     """
 
     def __init__(self, lm, *, owns_lm: bool = False, backend: str | None = None,
@@ -78,7 +79,12 @@ class GenbackSession(BaseInferenceSession):
         self.lm = lm
         self.tokenizer = lm.tokenizer
         self.backend = backend or type(lm).__name__
-        self.max_length = max_length or getattr(lm, "max_context_length", None) or 2048
+        model_window = getattr(lm, "max_context_length", None)
+        if max_length is not None and model_window and max_length > model_window:
+            raise ValueError(f"max_length={max_length} is more than the model's window of "
+                             f"{model_window} tokens (max_context_length); leave it None to use "
+                             f"the model's")
+        self.max_length = max_length or model_window or 2048
         self.max_in_flight = max_in_flight
         self.pair_encoding = pair_encoding
         self.errors = errors
@@ -86,7 +92,7 @@ class GenbackSession(BaseInferenceSession):
         self._seeds = random.Random(seed)
         self._eos = eos_token_ids(lm)
         self._state_lock = threading.Lock()
-        self._runner = LoopThread("genback-session")
+        self._loop_thread = LoopThread("genback-session")
 
     # -- plumbing ----------------------------------------------------------------------------------
 
@@ -122,11 +128,11 @@ class GenbackSession(BaseInferenceSession):
         if not requests:
             return []
         _check_batch_size(batch_size)
-        return self._runner.call(self._gather(requests, fn, default, batch_size))
+        return self._loop_thread.call(self._gather(requests, fn, default, batch_size))
 
     def _continuous(self, items: Iterable, fn, default, batch_size) -> Iterator[tuple[Any, Any]]:
         _check_batch_size(batch_size)
-        return self._runner.continuous(items, lambda r: self._guarded(fn, r, default),
+        return self._loop_thread.continuous(items, lambda r: self._guarded(fn, r, default),
                                        batch_size or self.max_in_flight)
 
     # -- log-likelihood ----------------------------------------------------------------------------
@@ -163,10 +169,12 @@ class GenbackSession(BaseInferenceSession):
         logprob, greedy = await score(self.lm, ctx, cont)
         return LoglikelihoodOutput(logprob, greedy, len(cont), dict(request.metadata or {}))
 
-    async def _loglikelihood_all(self, requests: list, limit: int) -> list:
+    async def _loglikelihood_all(self, requests: list, limit: int,
+                                 progress: Callable[[int], None] | None = None) -> list:
         """Encode every request, send them in :func:`sharing_order` in chunks of ``limit``
         (each chunk one round of concurrent ``lm.score`` queries, so one batch), and return
-        the outputs in request order."""
+        the outputs in request order. The one place where scoring requests are chunked;
+        ``progress(n)`` is called (on the session's loop thread) after each chunk of ``n``."""
         encoded: list = []
         for request in requests:
             try:
@@ -186,6 +194,8 @@ class GenbackSession(BaseInferenceSession):
                 if isinstance(out, BaseException):
                     error = error or out
                 results[i] = out
+            if progress is not None:
+                progress(len(chunk))
         if error is not None:
             raise error
         return results
@@ -196,27 +206,53 @@ class GenbackSession(BaseInferenceSession):
                                    {**(getattr(request, "metadata", None) or {}), "error": message})
 
     def loglikelihood(self, requests: list[LoglikelihoodRequest], *,
-                      batch_size: int | None = None) -> list[LoglikelihoodOutput]:
+                      batch_size: int | None = None,
+                      progress: Callable[[int], None] | None = None) -> list[LoglikelihoodOutput]:
         """Score each request's continuation after its context, one output per request in order.
 
-        ``logprob`` is the summed natural-log probability of the continuation tokens,
-        ``is_greedy`` whether each is the argmax given what precedes it, ``token_count`` the
-        number of continuation tokens scored. Each request is one model query (one forward
-        gives its log-probs and greedy flags); requests are sent in chunks of ``batch_size``
+        Each request is one model query (one forward gives its log-probs and greedy flags); a
+        pair longer than the window is truncated on the left as lm-eval does
+        (:func:`genback.window.truncate_pair`). Requests are sent in chunks of ``batch_size``
         (default ``max_in_flight``) in an order that puts shared contexts together, so requests
         sharing a context share its KV.
+
+        Args:
+            requests: ``LoglikelihoodRequest`` objects (text and/or token-id fields).
+            batch_size: requests in flight at once for this call (default ``max_in_flight``).
+            progress: called with the number of requests answered after each chunk (on the
+                session's loop thread; e.g. a progress bar's ``update``).
+
+        Returns:
+            one ``LoglikelihoodOutput`` per request: ``logprob`` the summed natural-log
+            probability of the continuation tokens, ``is_greedy`` whether each is the argmax
+            given what precedes it, ``token_count`` the number of continuation tokens scored;
+            with ``errors="record"`` a failed request gets ``-inf``, ``token_count=0`` and
+            ``metadata["error"]``.
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, the first
+                request's error (a malformed request, a continuation longer than the window).
+            TypeError: with ``errors="raise"``, a request of the wrong type.
+            SessionClosed: the session is closed.
         """
         requests = list(requests)
         if not requests:
             return []
         _check_batch_size(batch_size)
-        return self._runner.call(self._loglikelihood_all(requests, batch_size or self.max_in_flight))
+        return self._loop_thread.call(
+            self._loglikelihood_all(requests, batch_size or self.max_in_flight, progress))
 
     def loglikelihood_continuous(self, requests: Iterable[tuple[Any, LoglikelihoodRequest]], *,
                                  batch_size: int | None = None
                                  ) -> Iterator[tuple[Any, LoglikelihoodOutput]]:
         """``(request_id, output)`` in completion order; requests are taken from the iterable
-        as earlier ones finish (at most ``batch_size`` or ``max_in_flight`` in flight)."""
+        as earlier ones finish (at most ``batch_size`` or ``max_in_flight`` in flight).
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, a failing
+                request's error (while iterating).
+            SessionClosed: the session is closed.
+        """
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
     async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
@@ -238,7 +274,13 @@ class GenbackSession(BaseInferenceSession):
         """Total log-prob of every token of each text (the text encoded with the tokenizer's
         default special tokens, the first token scored after the prefix token) in windows of at
         most ``max_length`` inputs, as lm-eval's ``loglikelihood_rolling``; ``token_count`` is
-        the number of tokens scored."""
+        the number of tokens scored; windows follow :func:`genback.window.rolling_windows`.
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, the first
+                failing request's ``ValueError`` / ``TypeError`` (after the others finished).
+            SessionClosed: the session is closed.
+        """
         return self._run_all(requests, self._rolling_one, self._rolling_error, batch_size)
 
     # -- generation --------------------------------------------------------------------------------
@@ -275,7 +317,13 @@ class GenbackSession(BaseInferenceSession):
                  batch_size: int | None = None) -> list[GenerationOutput]:
         """One ``GenerationOutput`` per request, in order (see :func:`genback.engine.generation.decode`
         for stopping and metadata, :func:`~genback.engine.generation.generation_config` for
-        greedy vs sampling and the options)."""
+        greedy vs sampling and the options).
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, the first
+                failing request's ``ValueError`` / ``TypeError`` (after the others finished).
+            SessionClosed: the session is closed.
+        """
         return self._run_all(requests, self._generate_one, self._gen_error, batch_size)
 
     def generate_continuous(self, requests: Iterable[tuple[Any, GenerationRequest]], *,
@@ -283,12 +331,24 @@ class GenbackSession(BaseInferenceSession):
                             ) -> Iterator[tuple[Any, GenerationOutput]]:
         """``(request_id, output)`` in completion order while later requests join the running
         batches (at most ``batch_size`` or ``max_in_flight`` in flight). Closing the iterator
-        early cancels the requests still running."""
+        early cancels the requests still running.
+
+        Raises:
+            ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, a failing
+                request's error (while iterating).
+            SessionClosed: the session is closed.
+        """
         return self._continuous(requests, self._generate_one, self._gen_error, batch_size)
 
     async def agenerate(self, request: GenerationRequest) -> GenerationOutput:
-        """Async form of one ``generate`` for callers on their own event loop (errors raise)."""
-        return await asyncio.wrap_future(self._runner.submit(self._generate_one(request)))
+        """Async form of one ``generate`` for callers on their own event loop.
+
+        Raises:
+            TypeError / ValueError: a malformed request or a prompt longer than the window
+                (always raised, whatever ``errors`` says).
+            SessionClosed: the session is closed.
+        """
+        return await asyncio.wrap_future(self._loop_thread.submit(self._generate_one(request)))
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StreamEvent]:
         """Stream one generation: ``async for event in session.stream(request)``.
@@ -296,7 +356,12 @@ class GenbackSession(BaseInferenceSession):
         Yields :class:`~genback.engine.generation.StreamEvent` objects as tokens are generated,
         the last one with ``event.output``. Leaving the loop early (``break``) or cancelling the
         consuming task cancels the generation: its pending model queries are dropped before they
-        are computed. Errors of the request are raised here.
+        are computed.
+
+        Raises:
+            TypeError / ValueError: the request's own error (a malformed request, a prompt
+                longer than the window), raised from the iteration.
+            SessionClosed: the session is closed, or closed while the generation ran.
         """
         caller = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -307,7 +372,7 @@ class GenbackSession(BaseInferenceSession):
             except RuntimeError:  # the caller's loop is gone: nobody is listening
                 pass
 
-        future = self._runner.submit(self._generate_one(request, on_event=push))
+        future = self._loop_thread.submit(self._generate_one(request, on_event=push))
         future.add_done_callback(lambda f: push(None))
         try:
             while True:
@@ -327,8 +392,11 @@ class GenbackSession(BaseInferenceSession):
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def gc(self) -> None:
-        """Drop the model's cached rows and unpinned KV (between suites); the model stays."""
-        if self._runner.closed:
+        """Drop the model's cached rows and unpinned KV (between suites); the model stays.
+
+        Does nothing on a closed session; raises nothing.
+        """
+        if self._loop_thread.closed:
             return
         self.lm.clear_cache()
         _gc.collect()
@@ -342,12 +410,16 @@ class GenbackSession(BaseInferenceSession):
 
     def close(self) -> None:
         """Cancel running requests, close the model if the session owns it, stop the loop
-        thread. Idempotent; later calls of other methods raise ``SessionClosed``."""
-        self._runner.close(self.lm.aclose if self._owns_lm else None)
+        thread. Idempotent; later calls of other methods raise ``SessionClosed``.
+
+        Raises:
+            RuntimeError: called from the session's own loop thread (it would wait on itself).
+        """
+        self._loop_thread.close(self.lm.aclose if self._owns_lm else None)
 
     @property
     def closed(self) -> bool:
-        return self._runner.closed
+        return self._loop_thread.closed
 
     def __enter__(self) -> "GenbackSession":
         return self
@@ -356,7 +428,12 @@ class GenbackSession(BaseInferenceSession):
         self.close()
 
     def describe_execution(self) -> dict[str, Any]:
-        """Stable facts about how requests run (no counters, no object ids)."""
+        """Stable facts about how requests run (no counters, no object ids); raises nothing.
+
+        Returns:
+            a JSON-serialisable dict: ``backend``, ``model_class``, ``device``, ``batching``,
+            ``lm_batch_size``, ``kv_cache``, ``max_length``, ``pair_encoding``, ``errors``.
+        """
         lm = self.lm
         device = getattr(lm, "device", None)
         return {

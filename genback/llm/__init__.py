@@ -20,7 +20,8 @@ __all__ = [
     "load_model_by_name",
 ]
 
-_BACKENDS = ("hf", "mlx", "mock", "vllm")
+from ..backends import BACKEND_NAMES as _BACKENDS  # the one table of backends
+from ..backends import backend_class
 
 
 def _default_backend() -> str:
@@ -53,7 +54,4 @@ def load_model_by_name(name: str = "smollm2-135m", backend: str | None = None,
         backend = _default_backend()
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
-    opts = dict(llm_opts or {})
-    cls = {"hf": AsyncTransformer, "mlx": AsyncMlxLM, "mock": MockAsyncLM,
-           "vllm": AsyncVirtualLM}[backend]
-    return cls.from_name(name, **opts)
+    return backend_class(backend).from_name(name, **dict(llm_opts or {}))

@@ -229,7 +229,15 @@ class AsyncLM(QueueHooks, Decoding):
         return self._rows_sync([self._check_ids(token_ids)], adapter)[0]
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
-        """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1)."""
+        """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1), row ``i`` that of
+        ``token_ids_list[i]``. Contexts that nest (every prefix of one sequence) are answered by
+        one forward over the longest.
+
+        Raises:
+            TypeError / ValueError: ``token_ids_list`` is not a non-empty list of contexts, a
+                context is bad (as :meth:`next_token_logprobs`), or ``lora_name`` is unknown.
+            BatcherClosed: the model was closed or reset while the queries waited.
+        """
         contexts = self._check_list(token_ids_list, "token_ids_list")
         self._lora_key(lora_name)
         rows = await asyncio.gather(*(self.next_token_logprobs(ids, lora_name=lora_name)
@@ -293,9 +301,10 @@ class AsyncLM(QueueHooks, Decoding):
             lora_name: must be None (no adapters).
 
         Returns:
-            ``(logprobs, is_greedy)``: float32 CPU ``[n]`` (``logprobs[i] = log p(cont[i] | ctx +
-            cont[:i])``, as :meth:`token_logprobs`) and bool CPU ``[n]`` (``cont[i]`` is the
-            argmax of that distribution), ``n = len(continuation_ids)``.
+            The pair `(logprobs, is_greedy)` of CPU tensors of length `n = len(continuation_ids)`:
+                float32 `logprobs[i] = log p(cont[i] | ctx + cont[:i])` (as
+                [token_logprobs][genback.llm.AsyncLM.token_logprobs] gives) and bool
+                `is_greedy[i]`, whether `cont[i]` is the argmax of that distribution.
 
         Raises:
             TypeError / ValueError: bad or empty ids, or the two together longer than the

@@ -128,7 +128,12 @@ class Decoding:
         """Async iterator of the token ids :meth:`sample` returns, each as soon as it is chosen
         (on ``AsyncVirtualLM``: as vLLM produces it). Same arguments, draws and errors as
         :meth:`sample`; leaving the loop early (``break`` then ``aclose``, cancellation) stops
-        the generation (vLLM: aborts its request)."""
+        the generation (vLLM: aborts its request).
+
+        Raises:
+            TypeError / ValueError: as :meth:`sample` (raised when iteration starts).
+            RuntimeError: (vLLM) the engine failed the request.
+        """
         prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
                                               temperature)
         _check_seed(seed, "seed")
@@ -193,6 +198,13 @@ class Decoding:
         """Sample every prompt concurrently (their steps share batches).
 
         ``seed``: None, one int (prompt ``i`` uses ``seed + i``), or a list with one seed per prompt.
+
+        Returns:
+            One list of generated token ids per prompt, in order (as :meth:`sample`).
+
+        Raises:
+            TypeError / ValueError: as :meth:`sample`; also ``prompt_token_ids_list`` not a
+                non-empty list, or a ``seed`` list of the wrong length or with a non-int.
         """
         prompts = self._check_list(prompt_token_ids_list, "prompt_token_ids_list")
         if seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):

@@ -27,6 +27,7 @@ from ..batcher import Batcher, BatcherClosed, Immediate
 from ..output_cache import OutputCache
 from ..query import NextToken, Query, Score
 from ..runner import Capabilities
+from ..window import check_pair
 from .inputs import ContextChecker, check_positive_int
 
 
@@ -90,14 +91,10 @@ class Front:
         """
         context = self.context(context_ids, "context_ids")[0]
         continuation = self.contexts(continuation_ids, "continuation_ids")
-        inputs = len(context) + len(continuation) - 1
         window = self.max_context_length
         if window:
             window -= self.capabilities.score_extra_positions
-        if window and inputs > window:
-            raise ValueError(
-                f"context_ids + continuation_ids[:-1] has {inputs} tokens ({len(context)} + "
-                f"{len(continuation) - 1}), more than the model's context of {window}")
+        check_pair(len(context), len(continuation), window)  # (the engine's rule too)
         return Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
 
     def check_open(self) -> None:

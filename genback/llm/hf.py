@@ -131,13 +131,14 @@ class AsyncTransformer(AsyncLM):
         """genlm-backend's view of the KV cache: how much of ``token_ids`` has cached KV.
 
         Returns:
-            ``(node, next_token_index, past, base)``: ``node`` is the deepest KV-tree node on
-            the cached path (``node.kv`` / ``node.past_key_values``: its edge's KV; a root when
-            nothing is cached), ``next_token_index`` the number of leading tokens whose KV is
-            cached, ``past`` their KV as one new tensor ``[layers, 2, kv_heads,
-            next_token_index, head_dim]`` on the model's device (None when nothing is cached),
-            and ``base`` equal to ``next_token_index`` (genback keeps the KV of every evaluated
-            context, not only of ``cache_kv`` prompts). Reads without reordering the LRU.
+            The tuple `(node, next_token_index, past, base)`: `node` is the deepest KV-tree node
+                on the cached path (`node.kv` / `node.past_key_values`: its edge's KV; a root
+                when nothing is cached), `next_token_index` the number of leading tokens whose
+                KV is cached, `past` their KV as one new tensor `[layers, 2, kv_heads,
+                next_token_index, head_dim]` on the model's device (None when nothing is
+                cached), and `base` equal to `next_token_index` (genback keeps the KV of every
+                evaluated context, not only of `cache_kv` prompts). Reads without reordering
+                the LRU.
 
         Raises:
             TypeError / ValueError: bad ``token_ids`` or unknown ``lora_name``.

