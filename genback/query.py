@@ -1,16 +1,11 @@
 """The kinds of question a batch asks a backend runner, each with its result type.
 
-===================  ===========================================  ==================================
-kind                 asks                                          result
-===================  ===========================================  ==================================
-:class:`NextToken`   the next-token distribution after ``tokens``  float32 ``[V]`` log-probs
-:class:`Score`       log-probs of ``targets``, the continuation   float32 ``[n]``; with ``greedy``
-                     after ``tokens[:-n+1]``                       also bool ``[n]`` argmax flags
-:class:`Prefill`     only the KV of ``tokens`` (kept by runners    None
-                     with a KV cache)
-:class:`Step`        a decoding step: a token chosen after         :class:`~genback.sampling.Choice`
-                     ``tokens`` on the model's device
-===================  ===========================================  ==================================
+| kind | asks | result |
+|---|---|---|
+| `NextToken` | the next-token distribution after `tokens` | float32 `[V]` log-probs |
+| `Score` | log-probs of `targets`, a continuation, at the last `len(targets)` positions | float32 `[n]`; with `greedy` also bool `[n]` argmax flags |
+| `Prefill` | only the KV of `tokens` (kept by runners with a KV cache) | None |
+| `Step` | a decoding step: a token chosen after `tokens` on the model's device | `genback.sampling.Choice` |
 
 Every kind has ``tokens`` (a tuple of ints), ``adapter`` (None for the base model, else the runner's
 key of a LoRA adapter: the same tokens under two adapters are two different queries) and
