@@ -235,3 +235,41 @@ class VLLMRunner:
         self.engine.close()
         if self.slots is not None:
             self.slots.close()
+
+
+def flat_row(flat, width: int) -> torch.Tensor:
+    """float32 ``[width]`` from one position of full-vocabulary ``FlatLogprobs``.
+
+    Raises:
+        RuntimeError: vLLM returned fewer than ``width`` entries.
+    """
+    start, end = flat.start_indices[0], flat.end_indices[0]
+    ids = torch.tensor(flat.token_ids[start:end], dtype=torch.long)
+    row = torch.full((width,), -math.inf, dtype=torch.float32)
+    row[ids] = torch.tensor(flat.logprobs[start:end], dtype=torch.float32)
+    seen = torch.zeros(width, dtype=torch.bool)
+    seen[ids] = True
+    if not bool(seen.all()):
+        raise RuntimeError(f"vLLM returned log-probs for {int(seen.sum())} of {width} tokens; "
+                           "expected the full vocabulary (logprobs=-1)")
+    return row
+
+
+def prompt_token_logprobs(flat, prompt: tuple[int, ...], n: int
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-probs (float32 ``[n]``) and vLLM ranks (int64 ``[n]``; rank 1 is the argmax) of
+    the last ``n`` prompt tokens from vLLM's prompt log-probs (position ``i`` holds prompt token
+    ``i``'s own entry first, then the top-k).
+
+    Raises:
+        RuntimeError: an entry is for another token than the prompt's.
+    """
+    values, ranks = [], []
+    for pos in range(len(prompt) - n, len(prompt)):
+        at = flat.start_indices[pos]
+        if flat.token_ids[at] != prompt[pos]:
+            raise RuntimeError(f"vLLM prompt log-probs at position {pos} are for token "
+                               f"{flat.token_ids[at]}, not {prompt[pos]}")
+        values.append(flat.logprobs[at])
+        ranks.append(flat.ranks[at])
+    return torch.tensor(values, dtype=torch.float32), torch.tensor(ranks, dtype=torch.long)
