@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Hashable
 
 import torch
 
