@@ -169,3 +169,20 @@ def test_context_checker_checks_only_the_new_token_of_an_extension():
     again = check([float(i) for i in range(50)])
     assert again == base and all(type(t) is int for t in again)
     assert isinstance(Prefill((1, 2)), Prefill)
+
+
+async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
+    """Rows are shared views of one forward's output inside genback; each caller gets its own
+    copy (one copy per answered row), so writing into it changes nothing for the next caller."""
+    ctx = [11, 12, 13]
+    first, second = await asyncio.gather(tiny_lm.next_token_logprobs(ctx),
+                                         tiny_lm.next_token_logprobs(ctx + [14]))
+    keep = first.clone()
+    first.fill_(0.0)
+    second.fill_(0.0)
+    again = await tiny_lm.next_token_logprobs(ctx)  # an output-cache hit
+    assert tiny_lm.cache_info()["row_hits"] >= 1
+    torch.testing.assert_close(again, keep, rtol=0, atol=0)
+    batch = tiny_lm.batch_next_token_logprobs_sync([ctx, ctx])
+    batch.fill_(1.0)
+    torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), keep, rtol=0, atol=0)
