@@ -83,6 +83,7 @@ def test_offline_flag_values(monkeypatch, value, off, closed_port):
 def test_embedded_aliases_and_folders_never_probe_the_hub(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(registry, "hub_offline_reason", lambda *a, **k: calls.append(a))
+    (tmp_path / "config.json").write_text("{}")  # a model folder (resolve refuses empty ones)
     assert resolve(str(tmp_path)) == str(tmp_path)
     with pytest.raises(ValueError, match="unknown model alias"):
         resolve("gpt2")

@@ -59,7 +59,10 @@ def test_resolution_rules(tmp_path, monkeypatch):
     monkeypatch.setenv("GENBACK_HOME", str(tmp_path))
     assert model_dir("smollm2-135m") == tmp_path / "models" / "smollm2-135m"
     assert not is_ready("smollm2-135m")
-    assert resolve(str(tmp_path)) == str(tmp_path)  # an existing local folder
+    with pytest.raises(ValueError, match="holds no model"):  # an empty folder
+        resolve(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert resolve(str(tmp_path)) == str(tmp_path)  # an existing local model folder
     # Hub ids (returned unchanged when cached or the Hub is reachable): tests/test_offline.py
     with pytest.raises(ValueError, match="must be non-empty"):
         resolve("  ")

@@ -117,15 +117,15 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
 
 def _shared_prefixes(leaves: list[Path], cached: int, min_gain: int, found: set) -> None:
     """Add to ``found`` the prefixes (beyond the common cached ``cached`` tokens) that adjacent
-    sorted ``leaves`` share, at least ``min_gain`` tokens long, short of each leaf's last token
-    (e.g. the first step of particles that all extend one uncached prompt). A leaf whose limit
-    is shorter still reuses the prefill up to its limit (it is matched when its level runs)."""
-    lcp = [cached] + [common_prefix_length(a.tokens, b.tokens, cached)
-                      for a, b in zip(leaves, leaves[1:])] + [cached]
-    for k, leaf in enumerate(leaves):
-        share = min(max(lcp[k], lcp[k + 1]), len(leaf.tokens) - 1)
+    sorted ``leaves`` share, at least ``min_gain`` tokens long (e.g. the first step of particles
+    that all extend one uncached prompt). A prefix is kept only up to the larger of the two
+    leaves' limits: a path forwards its tokens from its limit on anyway (their logits are
+    needed), so a prefill beyond both would be computed twice; a leaf whose limit is shorter
+    still reuses the prefill up to its limit (paths are matched when their level runs)."""
+    for a, b in zip(leaves, leaves[1:]):
+        share = min(common_prefix_length(a.tokens, b.tokens, cached), max(a.limit, b.limit))
         if share - cached >= min_gain:
-            found.add(leaf.tokens[:share])
+            found.add(a.tokens[:share])
 
 
 def nesting_levels(prefixes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
