@@ -248,3 +248,33 @@ def test_trie_uses_device_rows_without_a_host_copy(gpt2_vocab, device, monkeypat
     assert got.device == W.device and torch.equal(got, expected)
     assert torch.equal(trie.batch_weight_max(W.float()), expected_max)   # float32 row: cast on the device
     assert torch.equal(trie.weight_sum(W[1]), expected[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_come_back_on_the_model_device_unless_asked_for_the_host(tiny_hf, gpt2_tok, device,
+                                                                   no_tf32):
+    """Rows on the model's device by default (as genlm-backend returns them), on the CPU with
+    ``row_device="cpu"``; the same values either way, through the batched, sync and cached
+    paths; scores always on the CPU."""
+    model = model_on(tiny_hf, device, torch.float32)
+    ctx = [464, 3139, 286, 4881, 318]
+    on_device = AsyncTransformer(model, gpt2_tok)
+    on_host = AsyncTransformer(model, gpt2_tok, row_device="cpu")
+    try:
+        a = on_device.next_token_logprobs_sync(ctx)
+        b = asyncio.run(on_host.batch_next_token_logprobs([ctx, ctx + [11]]))
+        c = asyncio.run(on_device.next_token_logprobs(ctx))  # from the output cache
+        assert a.device.type == c.device.type == torch.device(device).type
+        assert b.device.type == "cpu"
+        torch.testing.assert_close(a.cpu(), b[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+        assert on_device.next_token_logprobs_uncached(ctx).device == a.device
+        assert asyncio.run(on_device.token_logprobs(ctx, [11])).device.type == "cpu"
+    finally:
+        on_device.close()
+        on_host.close()
+
+
+def test_row_device_must_name_a_device(tiny_hf, gpt2_tok):
+    with pytest.raises(ValueError, match="row_device must be a torch device"):
+        AsyncTransformer(tiny_hf, gpt2_tok, row_device="not-a-device")

@@ -208,7 +208,9 @@ class AsyncLM(QueueHooks, Decoding):
                 ``add_new_lora`` (backends that serve adapters).
 
         Returns:
-            float32 CPU tensor ``[V]``, log-normalised (``logsumexp == 0``); the caller's own copy.
+            float32 tensor ``[V]``, log-normalised (``logsumexp == 0``); the caller's own copy.
+            On AsyncTransformer it is on the model's device (its ``row_device``), on the other
+            backends on the CPU.
 
         Raises:
             TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name`` (only this

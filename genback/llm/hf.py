@@ -46,8 +46,14 @@ class AsyncTransformer(AsyncLM):
         min_shared_tokens: tree attention reads a cached segment under ``n`` rows of a forward
             once for all of them when ``(n - 1) * length`` reaches this many tokens; shorter
             segments are gathered per row (cheaper than a separate attention product).
+        row_device: where next-token rows are returned and cached: None (default) for the
+            model's device, as genlm-backend returns them (genlm-control's ``PromptedLLM``
+            gathers on the row's device; a GPU row never crosses to the host unless asked), or
+            ``"cpu"`` for host rows. Scores (``token_logprobs``, ``score``) are always on the
+            CPU. Mind the output cache on a GPU: ``row_cache_size`` rows of ``V`` float32 each
+            (1,024 x 128,256 x 4 bytes = 525 MB for a Llama-3 vocabulary).
 
-    Rows are float32 on the CPU, whatever the model's dtype and device.
+    Rows are float32 ``[V]`` on ``row_device``, whatever the model's dtype.
 
     Raises:
         ValueError: an option out of range.
@@ -67,6 +73,7 @@ class AsyncTransformer(AsyncLM):
         row_cache_size: int = 1024,
         attention: str = "auto",
         min_shared_tokens: int = 64,
+        row_device=None,
     ):
         self.model = hf_model.eval()
         self.device = next(hf_model.parameters()).device
@@ -76,7 +83,8 @@ class AsyncTransformer(AsyncLM):
             raise ValueError(f"kv_budget_bytes must be a positive int, got {kv_budget_bytes!r}")
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
-                          attention=attention, min_shared_tokens=min_shared_tokens)
+                          attention=attention, min_shared_tokens=min_shared_tokens,
+                          row_device=row_device)
         super().__init__(
             hf_tokenizer,
             runner,
@@ -157,7 +165,7 @@ class AsyncTransformer(AsyncLM):
         """Reference: one full forward of ``token_ids`` alone, no cache, no batching, the
         model's own attention implementation.
 
-        Returns float32 CPU ``[V]``.
+        Returns float32 ``[V]`` on the rows' device (``row_device``).
 
         Raises:
             TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name``.
@@ -167,7 +175,7 @@ class AsyncTransformer(AsyncLM):
         with self.front.lock:
             self.runner.lora.activate(adapter)
             out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
-        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).cpu()
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).to(self.runner.row_device)
 
 
 def _config_eos(config) -> list[int]:

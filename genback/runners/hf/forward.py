@@ -65,12 +65,12 @@ def _picks(spans, wanted: list[int]) -> list[int]:
 _SLICE = 128
 
 
-def _results(queries: list[Query], logits: torch.Tensor) -> list:
+def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.device) -> list:
     """The result of each query (see :mod:`genback.query`) from ``logits`` ``[K, V]`` (on the
     model's device): the needed positions of the queries in order, ``n_outputs`` each.
 
-    A :class:`~genback.query.NextToken` gets ``log_softmax`` of its position (float32 CPU
-    ``[V]``, a view of one CPU tensor of all such rows: the caller's copy is the only copy), a
+    A :class:`~genback.query.NextToken` gets ``log_softmax`` of its position (float32 ``[V]`` on
+    ``row_device``, a view of one tensor of all such rows: the caller's copy is the only copy), a
     :class:`~genback.query.Step` the :class:`~genback.sampling.Choice` made on the device, a
     :class:`~genback.query.Score` its targets' log-probs (float32 CPU ``[n]``) and with
     ``greedy`` also whether each target is its position's argmax (bool CPU ``[n]``), a
@@ -95,7 +95,8 @@ def _results(queries: list[Query], logits: torch.Tensor) -> list:
         k += q.n_outputs
     if rows_at:
         rows = torch.log_softmax(
-            logits.index_select(0, torch.tensor(rows_at, device=dev)).float(), dim=-1).cpu()
+            logits.index_select(0, torch.tensor(rows_at, device=dev)).float(), dim=-1
+        ).to(row_device)
     if tgt_at:
         idx = torch.tensor(tgt_at, device=dev)
         tgt = torch.tensor(targets, device=dev)
@@ -172,13 +173,14 @@ def _split_new_kv(n_new: list[int], new_kv: torch.Tensor) -> list[torch.Tensor]:
     return [new_kv[:, :, i, :, :n] for i, n in enumerate(n_new)]
 
 
-def _outputs(paths: list[Path], logits: torch.Tensor) -> list:
+def _outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) -> list:
     """Each output's result, paths' outputs in order (:func:`_results` of their queries)."""
-    return _results([o.query for p in paths for o in p.outputs], logits)
+    return _results([o.query for p in paths for o in p.outputs], logits, row_device)
 
 
 def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_shared_tokens: int,
-                 kernel: str, pool: PastPool) -> tuple[list, list[torch.Tensor], int]:
+                 kernel: str, pool: PastPool, row_device: torch.device
+                 ) -> tuple[list, list[torch.Tensor], int]:
     """Forward paths ``rows`` with tree attention; return each output's result (paths' outputs
     in order), each path's new KV ``[layers, 2, kv_heads, n_new, dim]`` and the KV bytes read
     (all layers).
@@ -215,11 +217,11 @@ def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_sha
         _, logits = _run_model(model, input_ids, positions, _spans(rows), TreeCache(batch))
     token_bytes = n_layers * 2 * heads * dim * new_kv.element_size()
     read = token_bytes * (sum(kv.shape[3] for kv, _ in shared) + R * P)
-    return _outputs(rows, logits), _split_new_kv(n_new, new_kv), read
+    return _outputs(rows, logits, row_device), _split_new_kv(n_new, new_kv), read
 
 
-def dense_forward(model, rows: list[Path], *, pad_id: int, layout: tuple
-                  ) -> tuple[list, list[torch.Tensor], int]:
+def dense_forward(model, rows: list[Path], *, pad_id: int, layout: tuple,
+                  row_device: torch.device) -> tuple[list, list[torch.Tensor], int]:
     """Forward paths ``rows`` over their assembled pasts (models without the attention
     interface); return as :func:`tree_forward` does."""
     from transformers import DynamicCache
@@ -248,7 +250,7 @@ def dense_forward(model, rows: list[Path], *, pad_id: int, layout: tuple
         del past
     out, logits = _run_model(model, input_ids, positions, _spans(rows), cache,
                              None if bool(mask.all()) else mask.to(dev))
-    values = _outputs(rows, logits)
+    values = _outputs(rows, logits, row_device)
     layers = out.past_key_values.layers
     new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
     for j, layer in enumerate(layers):  # the new tokens' KV, one copy

@@ -51,6 +51,17 @@ def _trim_host_memory() -> None:
         pass
 
 
+def _check_device(device) -> torch.device:
+    """``device`` as a ``torch.device``, or ``ValueError`` naming ``row_device``."""
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"row_device must be a torch device or its name ('cpu', 'cuda:0'), "
+                         f"got {device!r}") from exc
+
+
 def tree_attention_support(model) -> str | None:
     """None when ``model`` can run tree attention, else the reason it cannot (one line)."""
     config = model.config
@@ -81,6 +92,7 @@ class HFRunner:
             ``(n - 1) * length`` reaches this (see :func:`.plan.split_segments`).
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
             ``"dense"``.
+        row_device: where next-token rows are returned (None: the model's device).
 
     Raises:
         ValueError: an option out of range, or ``attention="tree"`` on a model without support.
@@ -91,9 +103,10 @@ class HFRunner:
 
     def __init__(self, model, *, pad_id: int = 0, kv_budget_bytes: int | None = None,
                  max_batch_tokens: int = 4096, max_forward_bytes: int | None = None,
-                 min_shared_tokens: int = 64, attention: str = "auto"):
+                 min_shared_tokens: int = 64, attention: str = "auto", row_device=None):
         self.model = model
         self.device = next(model.parameters()).device
+        self.row_device = self.device if row_device is None else _check_device(row_device)
         free = available_memory_bytes(self.device)
         if kv_budget_bytes is None:
             kv_budget_bytes = max(64 << 20, free // 2)
@@ -357,11 +370,11 @@ class HFRunner:
         if self.use_tree:
             values, new_kv, read = tree_forward(self.model, group, pad_id=self.pad_id, layout=self.layout,
                                 min_shared_tokens=self.min_shared_tokens, kernel=self.kernel,
-                                pool=self.pool)
+                                pool=self.pool, row_device=self.row_device)
             self.pool.trim(self.max_forward_bytes)
         else:
             values, new_kv, read = dense_forward(self.model, group, pad_id=self.pad_id,
-                                                 layout=self.layout)
+                                                 layout=self.layout, row_device=self.row_device)
         n_new = [r.n_new for r in group]
         self.forwards += 1
         self.tokens_forwarded += sum(n_new)
