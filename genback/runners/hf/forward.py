@@ -27,14 +27,14 @@ from .tree_cache import TreeCache
 
 
 def _inputs(paths: list[Path], pad_id: int):
-    """input_ids / position_ids ``[R, m]`` (CPU) and the new-token counts."""
+    """input_ids / position_ids ``[R, m]`` (CPU) and the new-token counts: one tensor built from
+    the paths' new tokens (right-padded with ``pad_id``), not a torch call per path."""
     n_new = [p.n_new for p in paths]
     m = max(n_new)
-    input_ids = torch.full((len(paths), m), pad_id, dtype=torch.long)
-    positions = torch.empty((len(paths), m), dtype=torch.long)
-    for i, p in enumerate(paths):
-        input_ids[i, : n_new[i]] = torch.tensor(p.tokens[p.cached:])
-        positions[i] = torch.arange(p.cached, p.cached + m)
+    pad = (pad_id,) * m
+    input_ids = torch.tensor([p.tokens[p.cached:] + pad[: m - n]
+                              for p, n in zip(paths, n_new)], dtype=torch.long)
+    positions = torch.tensor([p.cached for p in paths])[:, None] + torch.arange(m)
     return input_ids, positions, n_new
 
 
@@ -170,7 +170,8 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
 
 def _split_new_kv(n_new: list[int], new_kv: torch.Tensor) -> list[torch.Tensor]:
     # new_kv: [layers, 2, R, kv_heads, m, dim] -> per path [layers, 2, kv_heads, n_new, dim]
-    return [new_kv[:, :, i, :, :n] for i, n in enumerate(n_new)]
+    m = new_kv.shape[4]
+    return [kv if n == m else kv[:, :, :, :n] for kv, n in zip(new_kv.unbind(2), n_new)]
 
 
 def _outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) -> list:
