@@ -49,7 +49,7 @@ class Query:
                  _tokens_hash: int | None = None):
         self.tokens = tokens
         self.adapter = adapter
-        # context_hash(tokens), kept: a related query is built without rehashing
+        # context_hash(tokens): a Step is built with its NextToken's, not hashed again
         self.tokens_hash = context_hash(tokens) if _tokens_hash is None else _tokens_hash
         self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
 
@@ -127,10 +127,3 @@ class Step(Query):
     def _extra(self) -> tuple:
         return (self.pick,)
 
-
-def next_token_of(query: Query) -> NextToken:
-    """The :class:`NextToken` query of ``query``'s tokens and adapter (its output-cache key),
-    built without hashing the context again when ``query`` is one already."""
-    if type(query) is NextToken:
-        return query
-    return NextToken(query.tokens, query.adapter, query.tokens_hash)
