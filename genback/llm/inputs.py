@@ -106,7 +106,7 @@ class ContextChecker:
                 h = context_hash(ids)
                 hit = self._seen.get(h)
                 if hit is not None and hit == ids:  # (C: identical ints compare by identity)
-                    self._seen.move_to_end(h)
+                    self._touch(h)
                     return hit, h
                 last = ids[-1] if ids else None
                 if type(last) is int and 0 <= last < self.vocab_size:
@@ -124,12 +124,21 @@ class ContextChecker:
         self._remember(h, ids)
         return ids, h
 
+    def _touch(self, h: int) -> None:
+        try:
+            self._seen.move_to_end(h)
+        except KeyError:  # evicted meanwhile by another thread: it is only a memory
+            pass
+
     def _remember(self, h: int, ids: tuple) -> None:
         seen = self._seen
         seen[h] = ids
-        seen.move_to_end(h)
-        if len(seen) > self.max_contexts:
-            seen.popitem(last=False)
+        self._touch(h)
+        while len(seen) > self.max_contexts:
+            try:
+                seen.popitem(last=False)
+            except KeyError:  # emptied meanwhile by another thread
+                break
 
     def clear(self) -> None:
         self._seen.clear()
