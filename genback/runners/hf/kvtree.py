@@ -71,6 +71,7 @@ class KVTree:
         self._lru: OrderedDict[_Node, None] = OrderedDict()
         self.bytes_held = 0
         self.evictions = 0  # nodes evicted
+        self.merges = 0  # nodes merged into their one child (compact)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -192,6 +193,34 @@ class KVTree:
         # keep the LRU invariant (parent more recent than descendants): place upper just after node
         self._lru[upper] = None
         return upper
+
+    def compact(self, node: _Node) -> _Node:
+        """Merge ``node`` with its ancestors that have no other child, while the merged edges
+        stay geometric: a parent's edge joins when it is at most twice as long as what is
+        merged below it. Returns the node now ending where ``node`` ended (``node`` itself: it
+        takes over its parents' edges and KV, so its depth and path tokens are unchanged).
+
+        Why: each decoding step or SMC extension inserts a one-token leaf, so without merging a
+        path after ``s`` steps has ``s`` nodes and every query's walk, touch and attention
+        layout does Python work per generated token. With the geometric rule a chain of ``s``
+        one-token steps keeps O(log s) nodes, and each token's KV is copied O(log s) times in
+        all (amortised; the rule of size-balanced merging, as in log-structured merge trees).
+        Nodes that are pinned, held (``acquire``) or that branch are never merged away.
+        """
+        while node.parent is not None and not node.refs:
+            up = node.parent
+            if (up.parent is None or len(up.children) != 1 or up.refs or up.pinned
+                    or len(up.edge) > 2 * len(node.edge)):
+                break
+            node.kv = torch.cat((up.kv, node.kv), dim=3)
+            node.edge = up.edge + node.edge
+            node.bytes += up.bytes
+            node.parent = up.parent
+            up.parent.children[node.edge[0]] = node
+            del self._lru[up]
+            up.kv, up.children, up.parent = None, {}, None
+            self.merges += 1
+        return node
 
     # -- pinning, LRU, eviction ------------------------------------------------------------------
 

@@ -145,6 +145,7 @@ class HFRunner:
         self.padded_tokens_forwarded = 0
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
         self._freed_since_trim = 0
+        self._inserted: list = []  # nodes inserted by the running call, compacted at its end
 
     def _probe_layout(self) -> tuple:
         """``(layers, kv_heads, head_dim, dtype, device)`` from a one-token forward."""
@@ -271,6 +272,7 @@ class HFRunner:
             "kv_budget_bytes": tree.budget_bytes,
             "kv_nodes": len(tree),
             "evictions": tree.evictions,
+            "kv_merges": tree.merges,
             "kv_bytes_read": self.kv_bytes_read,
             "past_pool_bytes": self.pool.nbytes,
             "past_pool_columns_copied": self.pool.columns_copied,
@@ -349,7 +351,8 @@ class HFRunner:
                 values, new_kv = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, kv in zip(group, new_kv):
-                    self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder)
+                    self._inserted.append(
+                        self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder))
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             for holder in held:
@@ -357,8 +360,14 @@ class HFRunner:
         return answered
 
     def _evict(self) -> None:
-        """Evict to the budget; every 64 MiB freed, hand the freed heap back to the OS (the
-        tree's many small node tensors live on the heap, which glibc does not shrink itself)."""
+        """Merge the nodes this call inserted with their single-child ancestors
+        (:meth:`.kvtree.KVTree.compact`: nothing is held any more), then evict to the budget;
+        every 64 MiB freed, hand the freed heap back to the OS (the tree's many small node
+        tensors live on the heap, which glibc does not shrink itself)."""
+        for node in self._inserted:
+            if node.kv is not None and node.parent is not None:  # (not evicted or merged away)
+                self.tree.compact(node)
+        self._inserted.clear()
         self._freed_since_trim += self.tree.evict()
         if self._freed_since_trim >= 64 << 20 and self.device.type == "cpu":
             _trim_host_memory()
