@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
+from ..heap import freeze_startup_heap
 from ..query import NextToken, Query  # noqa: F401 (Query: genback.llm's name of the base kind)
 from ..runner import Runner
 from .adapters import Adapters
@@ -41,6 +42,10 @@ class AsyncLM(QueueHooks, Decoding):
         max_context_length: most tokens a context may have (None: no limit).
         eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
             config's); see :attr:`eos_token_ids`.
+
+    The first model built in a process freezes the Python heap that exists then (the loaded
+    libraries and weights: :func:`genback.heap.freeze_startup_heap`), so that garbage
+    collections during serving stop rescanning it; ``GENBACK_GC_FREEZE=0`` turns that off.
 
     Raises:
         ValueError: an option out of range.
@@ -75,6 +80,7 @@ class AsyncLM(QueueHooks, Decoding):
                            batch_window=batch_window)
         self.adapters = Adapters(runner, self.front) if self.capabilities.adapters else None
         self._vocab = None
+        freeze_startup_heap()  # the loaded libraries and model: no longer rescanned by the GC
 
     @property
     def scheduler(self):
