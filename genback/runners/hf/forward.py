@@ -204,8 +204,8 @@ def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_sha
     index = out = None
     if placed is not None:
         index, _, pads = placed
-        for i, pad in enumerate(pads):
-            mask[i, :, :, :pad] = False
+        # each row's left padding of the private past: columns < pad are masked (one op)
+        mask[:, 0, :, :P] = (torch.arange(P)[None, :] >= torch.tensor(pads)[:, None])[:, None, :]
         out = torch.empty((2, heads, R * (P + m), dim), dtype=dtype, device=dev)
 
     segments = [tree_attention.Segment(

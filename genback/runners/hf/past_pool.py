@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 
@@ -98,7 +99,8 @@ class PastPool:
             left padding.
         """
         R = len(private)
-        lengths = [sum(kv.shape[3] for kv in segs) for segs in private]
+        seg_lens = [[kv.shape[3] for kv in segs] for segs in private]
+        lengths = [sum(lens) for lens in seg_lens]
         P = max(lengths, default=0)
         if P == 0:
             return None
@@ -118,18 +120,29 @@ class PastPool:
             self.used += k
             self.columns_copied += k
         scratch = self.used
-        index: list[int] = []
-        pads = []
-        for i, segs in enumerate(private):
-            pad = P - lengths[i]
-            pads.append(pad)
-            index.extend([0] * pad)
-            for kv in segs:
-                start = self._where[id(kv)][1]
-                index.extend(range(start, start + kv.shape[3]))
-            index.extend(range(scratch + i * m, scratch + (i + 1) * m))
         self._scratch = scratch
-        return torch.tensor(index, dtype=torch.long, device=self.device), P, pads
+        # the index as runs of columns (start, length, step): a row's left padding (column 0
+        # repeated), its segments' columns, its scratch; expanded by numpy, so a long segment
+        # costs no Python object per column
+        where = self._where
+        pads = [P - n for n in lengths]
+        starts, runs, steps = [], [], []
+        for i, segs in enumerate(private):
+            starts.append(0)
+            runs.append(pads[i])
+            steps.append(0)
+            starts.extend(where[id(kv)][1] for kv in segs)
+            runs.extend(seg_lens[i])
+            steps.extend([1] * len(segs))
+            starts.append(scratch + i * m)
+            runs.append(m)
+            steps.append(1)
+        runs_np = np.array(runs, dtype=np.int64)
+        first = np.cumsum(runs_np) - runs_np  # each run's first place in the index
+        offset = np.arange(R * (P + m), dtype=np.int64) - np.repeat(first, runs_np)
+        index = np.repeat(np.array(starts, dtype=np.int64), runs_np) + offset * np.repeat(
+            np.array(steps, dtype=np.int64), runs_np)
+        return torch.from_numpy(index).to(self.device), P, pads
 
     def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor,
               P: int, out: torch.Tensor):
