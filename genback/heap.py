@@ -10,12 +10,13 @@ alive now into a permanent generation that collections skip. vLLM does the same 
 starts (``vllm.utils.gc_utils.freeze_gc_heap``: collect every generation, then freeze).
 
 Objects frozen are still freed by reference counting; only cyclic garbage among them would never
-be collected (everything unreachable is collected first). Set ``GENBACK_GC_FREEZE=0`` to keep the
-collector as it is.
+be collected (everything unreachable is collected first); at exit they are unfrozen again. Set
+``GENBACK_GC_FREEZE=0`` to keep the collector as it is.
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import threading
@@ -37,4 +38,7 @@ def freeze_startup_heap() -> bool:
         _done = True
         gc.collect()
         gc.freeze()
+        # at exit, hand the frozen objects back to the collector, so that interpreter shutdown
+        # finalises them as usual (extension modules report objects never finalised as leaks)
+        atexit.register(gc.unfreeze)
         return True

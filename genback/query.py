@@ -42,13 +42,17 @@ class Query:
     :class:`Step`.
     """
 
-    __slots__ = ("tokens", "adapter", "tokens_hash", "_hash")
+    __slots__ = ("tokens", "adapter", "tokens_hash", "_hash", "parent")
     n_outputs = 1
 
     def __init__(self, tokens: tuple[int, ...], adapter: int | None = None,
-                 _tokens_hash: int | None = None):
+                 _tokens_hash: int | None = None, _parent: tuple | None = None):
         self.tokens = tokens
         self.adapter = adapter
+        # a tuple known to equal tokens[:-1] (checked when the context was validated), the very
+        # object an earlier query had as its tokens: a runner may find that query's KV by
+        # identity instead of comparing the context (not part of equality or the hash)
+        self.parent = _parent
         # context_hash(tokens): a Step is built with its NextToken's, not hashed again
         self.tokens_hash = context_hash(tokens) if _tokens_hash is None else _tokens_hash
         self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
@@ -63,7 +67,7 @@ class Query:
         return self is other or (
             type(other) is type(self) and self._hash == other._hash
             and self.adapter == other.adapter and self._extra() == other._extra()
-            and self.tokens == other.tokens)
+            and (self.tokens is other.tokens or self.tokens == other.tokens))
 
     def __repr__(self) -> str:
         toks = self.tokens if len(self.tokens) <= 8 else (*self.tokens[:4], "...", *self.tokens[-2:])
@@ -120,9 +124,9 @@ class Step(Query):
     __slots__ = ("pick",)
 
     def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None,
-                 _tokens_hash: int | None = None):
+                 _tokens_hash: int | None = None, _parent: tuple | None = None):
         self.pick = pick
-        super().__init__(tokens, adapter, _tokens_hash)
+        super().__init__(tokens, adapter, _tokens_hash, _parent)
 
     def _extra(self) -> tuple:
         return (self.pick,)

@@ -40,7 +40,7 @@ def test_nested_prefixes_plan_as_one_path_with_an_output_per_prefix():
     seq = tuple(range(500, 756))  # 256 tokens
     tree = _tree_with(prompt)
     queries = [NextToken(prompt + seq[:i]) for i in range(1, 257)]
-    plan = plan_batch(queries, lambda t, limit: tree.match(t, limit))
+    plan = plan_batch(queries, lambda q, limit: tree.match(q.tokens, limit))
     assert len(plan) == 1 and len(plan[0]) == 1  # one level, one path
     path = plan[0][0]
     assert path.tokens == prompt + seq and path.cached == len(prompt)
@@ -52,7 +52,7 @@ def test_branching_batch_prefills_the_shared_uncached_prefix_first():
     prompt = tuple(range(100, 140))
     queries = [NextToken(prompt + (1,)), NextToken(prompt + (2,)),
                Score(prompt + (3, 4), (4, 5)), NextToken(prompt[:20])]
-    plan = plan_batch(queries, lambda t, limit: KVTree(1 << 20).match(t, limit))
+    plan = plan_batch(queries, lambda q, limit: KVTree(1 << 20).match(q.tokens, limit))
     *prefills, answers = plan
     assert [[p.tokens for p in level] for level in prefills] == [[prompt]]
     assert all(not p.outputs for level in prefills for p in level)
@@ -149,7 +149,7 @@ def test_prefill_level_paths_do_not_reach_past_a_nested_output():
     prompt = tuple(range(100, 130))
     queries = [NextToken(prompt + (1,)), NextToken(prompt + (1, 2, 3)),
                NextToken(prompt + (1, 2, 4))]
-    plan = plan_batch(queries, lambda t, limit: KVTree(1 << 20).match(t, limit))
+    plan = plan_batch(queries, lambda q, limit: KVTree(1 << 20).match(q.tokens, limit))
     paths = plan[-1]
     holder = next(p for p in paths if any(o.index == 0 for o in p.outputs))
     assert holder.limit <= len(prompt)  # position of the token 1: where query 0 needs logits

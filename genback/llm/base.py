@@ -224,8 +224,7 @@ class AsyncLM(QueueHooks, Decoding):
             BatcherClosed: the model was closed or reset while the query waited.
         """
         adapter = self._lora_key(lora_name)
-        ids, h = self.front.context(token_ids)
-        row = await self.front.ask(NextToken(ids, adapter, h))
+        row = await self.front.ask(self.front.next_token(token_ids, adapter))
         return row.clone()  # the one copy: cached rows are shared, never handed out
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import math
 import numbers
 from typing import AsyncIterator
 
-from ..query import NextToken, Step
+from ..query import Step
 from ..sampling import Choice, Pick, SamplingParams, choose
 from .inputs import check_token_ids
 
@@ -46,14 +46,16 @@ class Decoding:
         adapter = self._lora_key(lora_name)
         if not isinstance(pick, Pick):
             raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
-        key, h = self.front.context(token_ids)
+        query = self.front.next_token(token_ids, adapter)
+        key = query.tokens
         if self.capabilities.picks:  # a row already cached is used as it is
-            row = self.front.cache.get(NextToken(key, adapter, h))
+            row = self.front.cache.get(query)
             if row is None:
-                return await self.front.ask(Step(key, pick, adapter, _tokens_hash=h))
+                return await self.front.ask(Step(key, pick, adapter, query.tokens_hash,
+                                                 query.parent))
             self.front.count(len(key))
         else:
-            row = await self.front.ask(NextToken(key, adapter, h))
+            row = await self.front.ask(query)
         return choose(row, key, pick)
 
     async def generate_stream(

@@ -69,18 +69,29 @@ class Front:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def context(self, token_ids, name: str = "token_ids") -> tuple[tuple[int, ...], int]:
-        """``(ids, context_hash(ids))`` of a checked context.
+    def context(self, token_ids, name: str = "token_ids"
+                ) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
+        """``(ids, context_hash(ids), parent)`` of a checked context (see
+        :meth:`.inputs.ContextChecker.check`).
 
         Raises:
             TypeError / ValueError: bad ids (the message names ``name``), or more tokens than
                 ``max_context_length``.
         """
-        ids, h = self.contexts.check(token_ids, name)
+        ids, h, parent = self.contexts.check(token_ids, name)
         if self.max_context_length and len(ids) > self.max_context_length:
             raise ValueError(f"{name} has {len(ids)} tokens, more than the model's context of "
                              f"{self.max_context_length}")
-        return ids, h
+        return ids, h, parent
+
+    def next_token(self, token_ids, adapter: int | None, name: str = "token_ids") -> NextToken:
+        """The :class:`~genback.query.NextToken` query of a checked context.
+
+        Raises:
+            TypeError / ValueError: as :meth:`context`.
+        """
+        ids, h, parent = self.context(token_ids, name)
+        return NextToken(ids, adapter, h, parent)
 
     def score(self, context_ids, continuation_ids, greedy: bool, adapter: int | None) -> Score:
         """The :class:`~genback.query.Score` of a continuation after a context. The window counts

@@ -92,9 +92,12 @@ class ContextChecker:
         """Checked ``token_ids`` as a tuple of ints; raises as :func:`check_token_ids`."""
         return self.check(token_ids, name)[0]
 
-    def check(self, token_ids, name: str = "token_ids") -> tuple[tuple[int, ...], int]:
-        """``(ids, context_hash(ids))``: checked ``token_ids`` as a tuple of ints and its hash
-        (:func:`genback.query.context_hash`, independent of the context's length in cost).
+    def check(self, token_ids, name: str = "token_ids"
+              ) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
+        """``(ids, context_hash(ids), parent)``: checked ``token_ids`` as a tuple of ints, its
+        hash (:func:`genback.query.context_hash`, independent of the context's length in cost)
+        and, when ``ids`` extends a remembered context by one token, that context's validated
+        tuple (``parent == ids[:-1]``, compared here; else None).
 
         Raises:
             TypeError / ValueError: as :func:`check_token_ids`.
@@ -107,7 +110,7 @@ class ContextChecker:
                 hit = self._seen.get(h)
                 if hit is not None and hit == ids:  # (C: identical ints compare by identity)
                     self._touch(h)
-                    return hit, h
+                    return hit, h, None
                 last = ids[-1] if ids else None
                 if type(last) is int and 0 <= last < self.vocab_size:
                     # context_hash(ids[:-1]) without copying the context
@@ -116,13 +119,13 @@ class ContextChecker:
                         hit = parent + (last,)
                         if hit == ids:  # the caller's context is a validated one plus `last`
                             self._remember(h, hit)
-                            return hit, h
+                            return hit, h, parent
             except TypeError:  # an unhashable element: the full check names it
                 pass
         ids = check_token_ids(token_ids, self.vocab_size, name)
         h = context_hash(ids)
         self._remember(h, ids)
-        return ids, h
+        return ids, h, None
 
     def _touch(self, h: int) -> None:
         try:

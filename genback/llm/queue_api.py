@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 
-from ..query import NextToken
-
 
 class QueueHooks:
     """Mixed into :class:`~genback.llm.AsyncLM`."""
@@ -28,8 +26,7 @@ class QueueHooks:
             RuntimeError: no running event loop on this thread.
         """
         adapter = self._lora_key(lora_name)
-        ids, h = self.front.context(query, "query")
-        q = NextToken(ids, adapter, h)
+        q = self.front.next_token(query, adapter, "query")
         self.front.check_open()
         asyncio.get_running_loop()  # RuntimeError outside a running loop
         row = self.front.cache.get(q)

@@ -72,6 +72,10 @@ class KVTree:
         self.bytes_held = 0
         self.evictions = 0  # nodes evicted
         self.merges = 0  # nodes merged into their one child (compact)
+        # contexts whose KV ends exactly at a node, by the identity of their tuple: those the
+        # current call inserted, and the previous call's (see note_end / match's ``parent``)
+        self._ends: dict[int, tuple] = {}
+        self._ends_before: dict[int, tuple] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -85,13 +89,18 @@ class KVTree:
     # -- lookup ---------------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int], limit: int | None = None, touch: bool = True,
-              adapter=None):
+              adapter=None, parent: tuple | None = None):
         """Longest cached prefix of ``tokens`` (under ``adapter``), at most ``limit`` tokens long.
 
         Args:
             touch: mark the matched path as recently used (False for probes that must not
                 reorder the LRU, e.g. planning and statistics).
             adapter: the adapter key whose tree is searched (None: the base model).
+            parent: a tuple the caller knows to equal ``tokens[:len(parent)]`` (a query's
+                :attr:`~genback.query.Query.parent`). When it is the very object a recent call
+                noted (:meth:`note_end`) and its node is still in the tree, the walk starts at
+                that node: no token of the context is compared (an SMC step or a decoding step
+                costs the same for 100 tokens as for 16,000).
 
         Returns:
             ``(segments, length, holder)``: ``segments`` is the list of ``(node, k, kv)`` whose
@@ -103,9 +112,19 @@ class KVTree:
         if type(tokens) is not tuple:
             tokens = tuple(tokens)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
-        node, pos, segments = self._roots.get(adapter), 0, []
-        if node is None:  # nothing cached under this adapter: an empty stand-in root
-            node = _Node(None, (), None, 0)
+        node = None
+        if parent is not None and len(parent) <= limit:
+            end = self._ends.get(id(parent)) or self._ends_before.get(id(parent))
+            if end is not None and end[0] is parent and end[2] == adapter:
+                node = end[1]
+                if node.kv is None or node.parent is None or node.depth != len(parent):
+                    node = None  # evicted or merged away since: walk from the root
+        if node is not None:
+            pos, segments = node.depth, self.path(node)
+        else:
+            node, pos, segments = self._roots.get(adapter), 0, []
+            if node is None:  # nothing cached under this adapter: an empty stand-in root
+                node = _Node(None, (), None, 0)
         while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:
@@ -122,6 +141,27 @@ class KVTree:
         if touch:
             self._touch(node)
         return segments, pos, node
+
+    @staticmethod
+    def path(node: _Node) -> list:
+        """The segments ``(node, len(edge), kv)`` from the root down to ``node`` (whole edges)."""
+        segments = []
+        while node.parent is not None:
+            segments.append((node, len(node.edge), node.kv))
+            node = node.parent
+        segments.reverse()
+        return segments
+
+    def note_end(self, tokens: tuple, node: _Node, adapter=None) -> None:
+        """Remember that the KV of ``tokens`` (this very tuple) ends exactly at ``node``, for a
+        later :meth:`match` given ``parent=tokens``. Kept for this call and the next
+        (:meth:`rotate_ends`): the tuples are the contexts of recent queries, which the caller's
+        caches hold anyway."""
+        self._ends[id(tokens)] = (tokens, node, adapter)
+
+    def rotate_ends(self) -> None:
+        """End a call: its noted ends become the previous call's; older ones are forgotten."""
+        self._ends_before, self._ends = self._ends, {}
 
     def acquire(self, node: _Node) -> None:
         """Protect ``node`` (and so its ancestors) from eviction until ``release``."""
@@ -283,6 +323,7 @@ class KVTree:
 
     def clear(self, keep_pinned: bool = False) -> None:
         """Drop every node (or every node not on the path of a pinned node)."""
+        self._ends, self._ends_before = {}, {}
         if not keep_pinned:
             for root in self._roots.values():
                 root.children.clear()
@@ -306,6 +347,7 @@ class KVTree:
         root = self._roots.pop(adapter, None) if adapter is not None else None
         if root is None:
             return 0
+        self._ends, self._ends_before = {}, {}
         freed, stack = 0, list(root.children.values())
         while stack:
             node = stack.pop()

@@ -64,8 +64,9 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
 
     Args:
         queries: distinct queries of one adapter, each fitting in one forward.
-        match: ``match(tokens, limit) -> (segments, cached, holder)``, the tree's longest cached
-            prefix of ``tokens`` of at most ``limit`` tokens (``KVTree.match``).
+        match: ``match(query, limit) -> (segments, cached, holder)``, the tree's longest cached
+            prefix of ``query.tokens`` of at most ``limit`` tokens (``KVTree.match``, given the
+            query's ``parent``).
         min_gain: a prefix shared by several paths is prefilled once first when it saves at
             least this many tokens of forward per path.
 
@@ -81,7 +82,7 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
     groups: dict = {}
     for i, q in enumerate(queries):
         limit = len(q.tokens) - q.n_outputs
-        m = match(q.tokens, limit)
+        m = match(q, limit)
         groups.setdefault(id(m[2]) if m[1] else None, []).append((i, q, limit, m))
     paths: list[Path] = []
     shared: set = set()

@@ -202,7 +202,7 @@ class HFRunner:
 
     def _matcher(self, adapter):
         tree = self.tree
-        return lambda tokens, limit: tree.match(tokens, limit, adapter=adapter)
+        return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent)
 
     def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
         """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
@@ -223,7 +223,8 @@ class HFRunner:
         limit = self.max_forward_bytes
         if self._working_set(L, L, n_out) <= limit:  # fits even with nothing cached
             return None
-        cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter)[1]
+        cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter,
+                                 parent=q.parent)[1]
         if self._working_set(L - cached, L, n_out) <= limit:
             return None
         per_position = self._working_set(1, L, 1)
@@ -351,8 +352,9 @@ class HFRunner:
                 values, new_kv = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, kv in zip(group, new_kv):
-                    self._inserted.append(
-                        self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder))
+                    node = self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder)
+                    self._inserted.append(node)
+                    self.tree.note_end(p.tokens, node, p.adapter)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             for holder in held:
@@ -368,6 +370,7 @@ class HFRunner:
             if node.kv is not None and node.parent is not None:  # (not evicted or merged away)
                 self.tree.compact(node)
         self._inserted.clear()
+        self.tree.rotate_ends()
         self._freed_since_trim += self.tree.evict()
         if self._freed_since_trim >= 64 << 20 and self.device.type == "cpu":
             _trim_host_memory()
