@@ -38,6 +38,11 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
 - ``caller/q``: CPU time of the event-loop thread (query submission, output cache, futures, asyncio);
 - ``worker/q``: CPU time of the worker thread(s) outside the model's forward (worker CPU minus forward
   CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
+- ``gc/q``: wall time of Python's cyclic garbage collections during the step, whichever thread ran
+  them (``gc.callbacks``); part of ``caller/q`` / ``worker/q``. Collections walk every young
+  container: the caller's own context lists (a list is never untracked) and each new context tuple
+  once. genback freezes the heap of the loaded libraries at the first model
+  (:mod:`genback.heap`), so collections no longer walk torch and transformers;
 - ``other/q``: process CPU minus caller and worker CPU (other threads; ~0 expected);
 - ``idle/q`` = host/q - caller/q - worker/q - other/q: wall time in which no thread of this process
   ran outside the forward: the batcher's window (about 2 ms per batch: ~125 µs/q at 16 particles),
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import threading
 import time
@@ -180,6 +186,28 @@ class ForwardTimer:
             h.remove()
 
 
+class GcClock:
+    """Wall time spent in Python's cyclic garbage collections (``gc.callbacks``), whichever
+    thread runs them (a collection holds the interpreter, so they never overlap)."""
+
+    def __init__(self):
+        self.total = 0.0
+        self.collections = 0
+        self._t = None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.total += time.perf_counter() - self._t
+            self.collections += 1
+            self._t = None
+
+    def remove(self):
+        gc.callbacks.remove(self._callback)
+
+
 def _thread_cpu() -> dict[int, float]:
     """CPU seconds of every live thread but the caller's, by ``threading.get_ident()``."""
     out = {}
@@ -198,16 +226,18 @@ class StepClock:
     """Accumulates the clocks of the measured steps (see the module docstring)."""
 
     FIELDS = ("wall", "fwd_wall", "fwd_cpu", "caller", "worker", "process", "forwards",
-              "queries", "steps")
+              "queries", "steps", "gc")
 
-    def __init__(self, timer: ForwardTimer, lm):
+    def __init__(self, timer: ForwardTimer, lm, gc_clock: GcClock | None = None):
         self.timer, self.lm = timer, lm
+        self.gc = gc_clock
         self.t = dict.fromkeys(self.FIELDS, 0.0)
 
     async def step(self, contexts):
         timer, lm = self.timer, self.lm
         f0, fw0, fc0 = lm.cache_info()["forwards"], timer.wall, timer.cpu
         threads0 = _thread_cpu()
+        g0 = self.gc.total if self.gc else 0.0
         p0, c0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
         rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
         w1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -223,6 +253,7 @@ class StepClock:
         t["forwards"] += lm.cache_info()["forwards"] - f0
         t["queries"] += len(contexts)
         t["steps"] += 1
+        t["gc"] += (self.gc.total if self.gc else 0.0) - g0
         return rows
 
     def per_query(self) -> dict:
@@ -234,7 +265,7 @@ class StepClock:
         return dict(wall=t["wall"] * us, fwd=t["fwd_wall"] * us, host=host * us,
                     caller=t["caller"] * us, worker=worker * us, other=other * us,
                     idle=(host - t["caller"] - worker - other) * us,
-                    share=host / t["wall"] if t["wall"] else 0.0,
+                    share=host / t["wall"] if t["wall"] else 0.0, gc=t["gc"] * us,
                     fwd_per_step=t["forwards"] / max(t["steps"], 1), queries=int(t["queries"]))
 
 
@@ -256,7 +287,8 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
 
     lm = AsyncTransformer(model, tok, **(lm_kwargs or {}))
     timer = ForwardTimer(model)
-    clock = StepClock(timer, lm)
+    gc_clock = GcClock()
+    clock = StepClock(timer, lm, gc_clock)
     gen = torch.Generator().manual_seed(seed)
     width = model.get_output_embeddings().weight.shape[0]
     parts = [text_ids(tok, context)] * n
@@ -284,6 +316,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
         info = lm.cache_info()
     finally:
         timer.remove()
+        gc_clock.remove()
         await lm.aclose()
     picked = [0, n - 1][:check]
     refs = reference_rows(model, [parts[i] for i in picked])
@@ -328,12 +361,13 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 # -- driver -----------------------------------------------------------------------------------
 
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | caller/q µs | "
-          "worker/q µs | other/q µs | idle/q µs | host % | fwd/step | err |")
+          "worker/q µs | gc/q µs | other/q µs | idle/q µs | host % | fwd/step | err |")
 
 
 def row_md(model: str, r: dict) -> str:
     return (f"| {model} | {r['n']} | {r['context']} | {r['queries']} | {r['wall']:.0f} | "
             f"{r['fwd']:.0f} | {r['host']:.0f} | {r['caller']:.0f} | {r['worker']:.0f} | "
+            f"{r['gc']:.0f} | "
             f"{r['other']:.0f} | {r['idle']:.0f} | {100 * r['share']:.0f} | "
             f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
 

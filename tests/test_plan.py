@@ -186,3 +186,79 @@ async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
     batch = tiny_lm.batch_next_token_logprobs_sync([ctx, ctx])
     batch.fill_(1.0)
     torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), keep, rtol=0, atol=0)
+
+
+def _kv_of(tree: KVTree, tokens: tuple, **kw) -> tuple[torch.Tensor, int]:
+    segments, cached, _ = tree.match(tokens, touch=False, **kw)
+    return torch.cat([kv for _, _, kv in segments], dim=3) if segments else None, cached
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 3)), min_size=1, max_size=60),
+       st.integers(0, 2**31 - 1))
+def test_compacted_tree_keeps_every_path_exact(ops, seed):
+    """Random SMC-like growth: particles extend by 1-3 tokens and copy each other; after each
+    call every inserted node is compacted (as the runner does). Each context's KV, read back
+    through the merged nodes, equals the KV that was inserted for its tokens (brute force: a
+    per-token value), pinned nodes keep their boundary, branching nodes are never merged."""
+    gen = torch.Generator().manual_seed(seed)
+    value = {}  # (context prefix) -> this token's KV value, defined by the inserting call
+
+    def kv_for(tokens, start):
+        return torch.stack([value[tokens[:i + 1]] for i in range(start, len(tokens))], dim=3)
+
+    tree = KVTree(1 << 30)
+    prompt = tuple(range(50, 58))
+    for i in range(len(prompt)):
+        value[prompt[:i + 1]] = torch.randn((1, 2, 1, 1), generator=gen)
+    tree.insert(prompt, 0, kv_for(prompt, 0))
+    assert tree.pin(prompt)
+    particles = [prompt] * 4
+    for k, n in ops:
+        i = k % len(particles)
+        if k >= 4:  # resample: a particle copies another
+            particles[(i + 1) % len(particles)] = particles[i]
+            continue
+        old = particles[i]
+        new = old + tuple(int(x) for x in torch.randint(0, 3, (n,), generator=gen))
+        for j in range(len(old), len(new)):
+            value.setdefault(new[:j + 1], torch.randn((1, 2, 1, 1), generator=gen))
+        segments, cached, holder = tree.match(new)
+        particles[i] = new
+        if cached < len(new):
+            tree.compact(tree.insert(new, cached, kv_for(new, cached), near=holder))
+        for p in set(particles):
+            got, cached = _kv_of(tree, p)
+            assert cached == len(p)
+            assert torch.equal(got, kv_for(p, 0))
+        assert tree.find(prompt) is not None and tree.find(prompt).pinned
+        for node in list(tree._lru):  # a merged-away node is gone from the tree and the LRU
+            assert node.kv is not None and node.parent is not None
+            assert node.kv.shape[3] == len(node.edge)
+    assert sum(node.bytes for node in tree._lru) == tree.bytes_held
+
+
+def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale():
+    tree = KVTree(1 << 30)
+    ctx = tuple(range(100, 400))
+    kv = torch.arange(300.0).reshape(1, 1, 1, 300, 1).expand(1, 2, 1, 300, 1).contiguous()
+    node = tree.insert(ctx, 0, kv)
+    tree.note_end(ctx, node)
+    child = ctx + (7,)
+    walked = tree.match(child, len(ctx), touch=False)
+    fast = tree.match(child, len(ctx), touch=False, parent=ctx)
+    assert fast[1] == walked[1] == len(ctx) and fast[2] is walked[2] is node
+    assert [s[1] for s in fast[0]] == [s[1] for s in walked[0]]
+    # an equal tuple that is not the noted object is not trusted: it is walked
+    assert tree.match(child, touch=False, parent=tuple(list(ctx)))[1] == len(ctx)
+    # a different adapter does not use the note
+    assert tree.match(child, touch=False, adapter=3, parent=ctx)[1] == 0
+    tree.rotate_ends()
+    assert tree.match(child, len(ctx), touch=False, parent=ctx)[2] is node  # previous call's
+    tree.rotate_ends()  # two calls later the note is forgotten: a walk, same answer
+    assert tree.match(child, len(ctx), touch=False, parent=ctx)[1] == len(ctx)
+    tree.note_end(ctx, node)
+    tree.budget_bytes = 1
+    tree.evict()  # the node is gone: the note is stale and must not be used
+    assert node.kv is None
+    assert tree.match(child, len(ctx), touch=False, parent=ctx)[1] == 0

@@ -168,8 +168,18 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
     return out, logits.reshape(-1, logits.shape[-1])
 
 
+def _empty_new_kv(layout: tuple, R: int, m: int) -> torch.Tensor:
+    """The buffer a forward writes its new tokens' KV to, ``[layers, 2, R, kv_heads, m, dim]``,
+    laid out path-major so that each path's part is one contiguous block (the KV tree keeps it
+    as it is instead of copying it; see :func:`_split_new_kv`)."""
+    n_layers, heads, dim, dtype, dev = layout
+    block = torch.empty((R, n_layers, 2, heads, m, dim), dtype=dtype, device=dev)
+    return block.permute(1, 2, 0, 3, 4, 5)
+
+
 def _split_new_kv(n_new: list[int], new_kv: torch.Tensor) -> list[torch.Tensor]:
     # new_kv: [layers, 2, R, kv_heads, m, dim] -> per path [layers, 2, kv_heads, n_new, dim]
+    # (contiguous when n_new == m: a view of the path-major buffer, no copy)
     m = new_kv.shape[4]
     return [kv if n == m else kv[:, :, :, :n] for kv, n in zip(new_kv.unbind(2), n_new)]
 
@@ -211,7 +221,7 @@ def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_sha
     segments = [tree_attention.Segment(
         kv, None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev), len(idx))
         for kv, idx in shared]
-    new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
+    new_kv = _empty_new_kv(layout, R, m)
     batch = tree_attention.TreeBatch(segments, pool if placed is not None else None, index, P,
                                      mask.to(dev), new_kv, kernel, out)
     with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
@@ -253,7 +263,7 @@ def dense_forward(model, rows: list[Path], *, pad_id: int, layout: tuple,
                              None if bool(mask.all()) else mask.to(dev))
     values = _outputs(rows, logits, row_device)
     layers = out.past_key_values.layers
-    new_kv = torch.empty((n_layers, 2, R, heads, m, dim), dtype=dtype, device=dev)
+    new_kv = _empty_new_kv(layout, R, m)
     for j, layer in enumerate(layers):  # the new tokens' KV, one copy
         new_kv[j, 0].copy_(layer.keys[:, :, P:])
         new_kv[j, 1].copy_(layer.values[:, :, P:])

@@ -62,6 +62,10 @@ class KVTree:
         ValueError: ``budget_bytes`` is not a positive int.
     """
 
+    # compact merges a chain only when at least this many ancestors join: a decoding path keeps
+    # up to MERGE_MIN extra small nodes, and merges (one torch.cat each) happen every few steps
+    MERGE_MIN = 3
+
     def __init__(self, budget_bytes: int):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"kv_budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -202,8 +206,8 @@ class KVTree:
             if child is None:
                 if pos < start:
                     raise KeyError(f"prefix tokens[:{start}] is not cached (evicted?)")
-                leaf = _Node(node, tuple(tokens[pos:]), kv[:, :, :, pos - start:].contiguous(),
-                             len(tokens))
+                part = kv if pos == start else kv[:, :, :, pos - start:]
+                leaf = _Node(node, tokens[pos:], part.contiguous(), len(tokens))
                 node.children[tokens[pos]] = leaf
                 self.bytes_held += leaf.bytes
                 node = leaf
@@ -245,21 +249,29 @@ class KVTree:
         layout does Python work per generated token. With the geometric rule a chain of ``s``
         one-token steps keeps O(log s) nodes, and each token's KV is copied O(log s) times in
         all (amortised; the rule of size-balanced merging, as in log-structured merge trees).
-        Nodes that are pinned, held (``acquire``) or that branch are never merged away.
+        Nodes that are pinned, held (``acquire``) or that branch are never merged away. A
+        chain is merged only once at least :attr:`MERGE_MIN` ancestors can join it.
         """
-        while node.parent is not None and not node.refs:
-            up = node.parent
-            if (up.parent is None or len(up.children) != 1 or up.refs or up.pinned
-                    or len(up.edge) > 2 * len(node.edge)):
-                break
-            node.kv = torch.cat((up.kv, node.kv), dim=3)
-            node.edge = up.edge + node.edge
-            node.bytes += up.bytes
-            node.parent = up.parent
-            up.parent.children[node.edge[0]] = node
-            del self._lru[up]
-            up.kv, up.children, up.parent = None, {}, None
-            self.merges += 1
+        if node.parent is None or node.refs:
+            return node
+        taken, length, up = [], len(node.edge), node.parent
+        while (up.parent is not None and len(up.children) == 1 and not up.refs
+               and not up.pinned and len(up.edge) <= 2 * length):
+            taken.append(up)
+            length += len(up.edge)
+            up = up.parent
+        if len(taken) < self.MERGE_MIN:  # (fewer, larger merges: one copy per few steps)
+            return node
+        taken.reverse()  # root side first
+        node.kv = torch.cat([n.kv for n in taken] + [node.kv], dim=3)  # (one copy for all)
+        node.edge = sum((n.edge for n in taken), ()) + node.edge
+        node.bytes = node.kv.numel() * node.kv.element_size()
+        node.parent = up
+        up.children[node.edge[0]] = node
+        for n in taken:
+            del self._lru[n]
+            n.kv, n.children, n.parent = None, {}, None
+        self.merges += len(taken)
         return node
 
     # -- pinning, LRU, eviction ------------------------------------------------------------------

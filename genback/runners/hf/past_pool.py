@@ -113,12 +113,14 @@ class PastPool:
         if self.store is None or self.used + extra + R * m > self.capacity:
             self._rebuild(sum(kv.shape[3] for kv in distinct.values()) + R * m)
             missing = list(distinct.values())
-        for kv in missing:
-            k = kv.shape[3]
-            self.store[:, :, :, self.used:self.used + k].copy_(kv)
-            self._where[id(kv)] = (weakref.ref(kv), self.used)
-            self.used += k
-            self.columns_copied += k
+        if missing:  # one copy for all of them
+            added = sum(kv.shape[3] for kv in missing)
+            block = missing[0] if len(missing) == 1 else torch.cat(missing, dim=3)
+            self.store[:, :, :, self.used:self.used + added].copy_(block)
+            for kv in missing:
+                self._where[id(kv)] = (weakref.ref(kv), self.used)
+                self.used += kv.shape[3]
+            self.columns_copied += added
         scratch = self.used
         self._scratch = scratch
         # the index as runs of columns (start, length, step): a row's left padding (column 0
