@@ -68,12 +68,6 @@ class PastPool:
         if self.nbytes > max_bytes:
             self.clear()
 
-    def _lookup(self, kv: torch.Tensor) -> int | None:
-        hit = self._where.get(id(kv))
-        if hit is not None and hit[0]() is kv:
-            return hit[1]
-        return None
-
     def _rebuild(self, columns: int) -> None:
         # column 0 stays zero: the left padding of shorter pasts reads it (masked anyway)
         capacity = max(64, 2 * columns + 1)
@@ -104,11 +98,10 @@ class PastPool:
         P = max(lengths, default=0)
         if P == 0:
             return None
-        distinct: dict[int, torch.Tensor] = {}
-        for segs in private:
-            for kv in segs:
-                distinct.setdefault(id(kv), kv)
-        missing = [kv for kv in distinct.values() if self._lookup(kv) is None]
+        distinct = {id(kv): kv for segs in private for kv in segs}
+        where = self._where
+        missing = [kv for key, kv in distinct.items()
+                   if (hit := where.get(key)) is None or hit[0]() is not kv]
         extra = sum(kv.shape[3] for kv in missing)
         if self.store is None or self.used + extra + R * m > self.capacity:
             self._rebuild(sum(kv.shape[3] for kv in distinct.values()) + R * m)
@@ -126,7 +119,7 @@ class PastPool:
         # the index as runs of columns (start, length, step): a row's left padding (column 0
         # repeated), its segments' columns, its scratch; expanded by numpy, so a long segment
         # costs no Python object per column
-        where = self._where
+        where = self._where  # (a rebuild above replaced it)
         pads = [P - n for n in lengths]
         starts, runs, steps = [], [], []
         for i, segs in enumerate(private):

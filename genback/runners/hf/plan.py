@@ -17,6 +17,7 @@ which query outputs each path answers.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -201,18 +202,19 @@ def split_segments(paths: list[Path], min_shared_tokens: int):
         ``kv`` when the whole edge is used, so its identity lasts across forwards; see
         :class:`.past_pool.PastPool`).
     """
-    users: dict[tuple, list[int]] = {}
-    kvs: dict[tuple, object] = {}
-    for i, r in enumerate(paths):
-        for node, k, kv in r.segments:
-            key = (id(node), k)
-            users.setdefault(key, []).append(i)
-            kvs[key] = kv
-    shared, shared_keys = [], set()
-    for key, idx in users.items():
-        if len(idx) >= 2 and (len(idx) - 1) * key[1] >= min_shared_tokens:
-            shared.append((kvs[key], idx))
-            shared_keys.add(key)
-    private = [[kv for node, k, kv in r.segments if (id(node), k) not in shared_keys]
-               for r in paths]
+    # count each segment's paths in C (Counter over a flat key list); path indices only for the
+    # few segments that qualify
+    keys = [[(id(node), k) for node, k, _ in r.segments] for r in paths]
+    counts = Counter(key for row in keys for key in row)
+    qualify = {key for key, n in counts.items()
+               if n >= 2 and (n - 1) * key[1] >= min_shared_tokens}
+    if not qualify:
+        return [], [[kv for _, _, kv in r.segments] for r in paths]
+    private = [[kv for key, (_, _, kv) in zip(row, r.segments) if key not in qualify]
+               for r, row in zip(paths, keys)]
+    shared = []
+    for key in [key for key in counts if key in qualify]:  # (few; in order of first use)
+        idx = [i for i, row in enumerate(keys) if key in row]
+        first = idx[0]
+        shared.append((paths[first].segments[keys[first].index(key)][2], idx))
     return shared, private
