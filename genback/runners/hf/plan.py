@@ -210,11 +210,17 @@ def split_segments(paths: list[Path], min_shared_tokens: int):
                if n >= 2 and (n - 1) * key[1] >= min_shared_tokens}
     if not qualify:
         return [], [[kv for _, _, kv in r.segments] for r in paths]
-    private = [[kv for key, (_, _, kv) in zip(row, r.segments) if key not in qualify]
-               for r, row in zip(paths, keys)]
-    shared = []
-    for key in [key for key in counts if key in qualify]:  # (few; in order of first use)
-        idx = [i for i, row in enumerate(keys) if key in row]
-        first = idx[0]
-        shared.append((paths[first].segments[keys[first].index(key)][2], idx))
-    return shared, private
+    users: dict[tuple, list[int]] = {key: [] for key in counts if key in qualify}  # (in order)
+    kvs: dict[tuple, object] = {}
+    private = []
+    for i, (r, row) in enumerate(zip(paths, keys)):
+        mine = []
+        for key, segment in zip(row, r.segments):
+            idx = users.get(key)
+            if idx is None:
+                mine.append(segment[2])
+            else:
+                idx.append(i)
+                kvs[key] = segment[2]
+        private.append(mine)
+    return [(kvs[key], idx) for key, idx in users.items()], private
