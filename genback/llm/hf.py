@@ -43,8 +43,8 @@ class AsyncTransformer(AsyncLM):
         attention: ``"auto"`` (tree attention when the model uses transformers' attention
             interface, else the dense path; ``cache_info()["attention"]`` says which and why),
             ``"tree"`` or ``"dense"``.
-        min_shared_tokens: tree attention reads a cached segment under ``n`` rows of a forward
-            once for all of them when ``(n - 1) * length`` reaches this many tokens; shorter
+        min_shared_tokens: tree attention reads a cached segment under ``n >= 2`` rows of a
+            forward once for all of them when it is at least this many tokens long; shorter
             segments are gathered per row (cheaper than a separate attention product).
         row_device: where next-token rows are returned and cached: None (default) for the
             model's device, as genlm-backend returns them (genlm-control's ``PromptedLLM``

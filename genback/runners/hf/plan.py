@@ -192,9 +192,12 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
 def split_segments(paths: list[Path], min_shared_tokens: int):
     """Decide which cached segments a forward attends to once for all paths below them.
 
-    A segment (a node's first ``k`` tokens) used by ``n >= 2`` paths is shared when the copies it
-    saves, ``(n - 1) * k`` tokens, reach ``min_shared_tokens``: below that, the per-segment
-    kernel launches and merges cost more than gathering it per path.
+    A segment (a node's first ``k`` tokens) used by ``n >= 2`` paths is shared when it is at
+    least ``min_shared_tokens`` long (so it also saves at least that many token copies): a
+    shorter one costs more as its own attention call and merge in every layer than laid out per
+    path. (Counting only the copies saved, ``(n - 1) * k``, shared the short nodes that merged
+    decoding steps leave among resampled particles: ~5 segments per forward instead of 1, 1.10x
+    the decode time of 256 particles over a 100-token prompt on SmolLM2, measured.)
 
     Returns:
         ``(shared, private)``: ``shared`` a list of ``(kv, path indices)``; ``private`` one list
@@ -207,7 +210,7 @@ def split_segments(paths: list[Path], min_shared_tokens: int):
     keys = [[(id(node), k) for node, k, _ in r.segments] for r in paths]
     counts = Counter(key for row in keys for key in row)
     qualify = {key for key, n in counts.items()
-               if n >= 2 and (n - 1) * key[1] >= min_shared_tokens}
+               if n >= 2 and key[1] >= min_shared_tokens}
     if not qualify:
         return [], [[kv for _, _, kv in r.segments] for r in paths]
     users: dict[tuple, list[int]] = {key: [] for key in counts if key in qualify}  # (in order)
