@@ -261,7 +261,7 @@ class KVTree:
             taken.append(up)
             length += len(up.edge)
             up = up.parent
-        if len(taken) < self.MERGE_MIN:  # (fewer, larger merges: one copy per few steps)
+        if len(taken) < self.MERGE_MIN:
             return node
         taken.reverse()  # root side first
         node.kv = torch.cat([n.kv for n in taken] + [node.kv], dim=3)  # (one copy for all)
