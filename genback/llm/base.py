@@ -328,9 +328,10 @@ class AsyncLM(QueueHooks, Decoding):
         """Counters, read without waiting for a running forward: ``queries`` (calls answered),
         ``tokens_queried`` (their context lengths), ``row_hits`` (answered from the output
         cache), ``batches``, ``batched_queries`` (distinct queries those batches computed),
-        ``rows_cached`` and ``rows_bytes`` (the output cache), plus the runner's own (``forwards``, ``tokens_forwarded``, and for
-        AsyncTransformer ``kv_bytes``, ``kv_budget_bytes``, ``kv_nodes``, ``evictions``, ``kv_merges`` (nodes merged into their child),
-        ``attention``, ...)."""
+        ``rows_cached`` and ``rows_bytes`` (the output cache), plus the runner's own
+        (``forwards``, ``tokens_forwarded``, and for AsyncTransformer ``kv_bytes``,
+        ``kv_budget_bytes``, ``kv_nodes``, ``evictions``, ``kv_merges`` (nodes merged into their
+        child), ``attention``, ...)."""
         info = self.front.info()
         info.update(self.runner.stats())
         return info
