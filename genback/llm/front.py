@@ -157,8 +157,11 @@ class Front:
         return results
 
     def store(self, query: Query, value) -> None:
-        """Keep a computed next-token row (the only place the output cache is written)."""
+        """Keep a computed next-token row (the only place the output cache is written). The
+        query's lineage hint (``parent``) is dropped first: it served the runner's match, and a
+        cached key would otherwise keep its parent context alive too."""
         if type(query) is NextToken and not isinstance(value, BaseException):
+            query.parent = None
             self.cache.put(query, value)
 
     def compute(self, queries: list[Query]) -> list:
