@@ -39,10 +39,16 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
 - ``worker/q``: CPU time of the worker thread(s) outside the model's forward (worker CPU minus forward
   CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
 - ``gc/q``: wall time of Python's cyclic garbage collections during the step, whichever thread ran
-  them (``gc.callbacks``); part of ``caller/q`` / ``worker/q``. Collections walk every young
-  container: the caller's own context lists (a list is never untracked) and each new context tuple
-  once. genback freezes the heap of the loaded libraries at the first model
-  (:mod:`genback.heap`), so collections no longer walk torch and transformers;
+  them (``gc.callbacks``); part of ``caller/q`` / ``worker/q``. genback freezes the heap of the
+  loaded libraries at the first model (:mod:`genback.heap`), so collections no longer walk torch
+  and transformers, and it untracks every validated context tuple (:func:`genback.heap.untrack_ids`),
+  so no collection walks those either;
+- ``ctx-gc/q``: the caller's own cost of holding its contexts as lists, *not* part of ``host/q``.
+  A list is never untracked, so every collection of its generation walks it item by item: 256 new
+  16,000-token lists per step are ~4 million items. The trace collects them (``gc.collect(1)``,
+  timed) between steps, outside the measured step, as an SMC loop would whenever its own
+  allocations trigger a collection; without that, the first collection inside the step walks them
+  and their cost lands in ``gc/q`` (``--caller-gc-inside``);
 - ``other/q``: process CPU minus caller and worker CPU (other threads; ~0 expected);
 - ``idle/q`` = host/q - caller/q - worker/q - other/q: wall time in which no thread of this process
   ran outside the forward: the batcher's window (about 2 ms per batch: ~125 µs/q at 16 particles),
@@ -279,7 +285,8 @@ def reference_rows(model, contexts) -> list[torch.Tensor]:
 
 
 async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
-                   resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None) -> dict:
+                   resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None,
+                   caller_gc_inside: bool = False) -> dict:
     """One cell of part 1 on a fresh ``AsyncTransformer``; returns the per-query numbers, plus
     ``answered`` (rows returned by measured steps), ``rows_ok`` (each row a log-normalised
     vector of the logit width), ``err`` and ``info`` (``cache_info()`` at the end)."""
@@ -293,6 +300,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     width = model.get_output_embeddings().weight.shape[0]
     parts = [text_ids(tok, context)] * n
     answered, rows_ok = 0, True
+    ctx_gc = 0.0
     try:
         for step in range(warmup + 1 + steps):
             if step <= warmup:  # the prompt's prefill, then warm-up steps: not measured
@@ -313,6 +321,10 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
                 idx = torch.multinomial(torch.softmax(logw, 0), n, replacement=True,
                                         generator=gen)
                 parts = [parts[i] for i in idx.tolist()]
+            if step >= warmup and not caller_gc_inside:  # the caller's new lists (see ctx-gc/q)
+                t0 = time.perf_counter()
+                gc.collect(1)
+                ctx_gc += time.perf_counter() - t0
         info = lm.cache_info()
     finally:
         timer.remove()
@@ -323,6 +335,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     err = max((float((rows[i] - ref).abs().max()) for i, ref in zip(picked, refs)), default=0.0)
     distinct = len({tuple(p) for p in parts})
     return dict(clock.per_query(), n=n, context=context, steps=steps, answered=answered,
+                ctx_gc=ctx_gc * 1e6 / max(clock.t["queries"], 1),
                 rows_ok=rows_ok, err=err, info=info, distinct_last=distinct)
 
 
@@ -361,13 +374,13 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 # -- driver -----------------------------------------------------------------------------------
 
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | caller/q µs | "
-          "worker/q µs | gc/q µs | other/q µs | idle/q µs | host % | fwd/step | err |")
+          "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | host % | fwd/step | err |")
 
 
 def row_md(model: str, r: dict) -> str:
     return (f"| {model} | {r['n']} | {r['context']} | {r['queries']} | {r['wall']:.0f} | "
             f"{r['fwd']:.0f} | {r['host']:.0f} | {r['caller']:.0f} | {r['worker']:.0f} | "
-            f"{r['gc']:.0f} | "
+            f"{r['gc']:.0f} | {r['ctx_gc']:.0f} | "
             f"{r['other']:.0f} | {r['idle']:.0f} | {100 * r['share']:.0f} | "
             f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
 
@@ -390,6 +403,8 @@ def parse(argv=None):
     p.add_argument("--nested-len", type=int, default=256)
     p.add_argument("--no-nested", action="store_true")
     p.add_argument("--no-smc", action="store_true")
+    p.add_argument("--caller-gc-inside", action="store_true",
+                   help="do not collect the caller's new context lists between steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
@@ -420,7 +435,8 @@ def main(argv=None) -> dict:
             for ctx in args.contexts:
                 r = asyncio.run(smc_cell(model, tok, n, ctx, steps=args.steps,
                                          warmup=args.warmup, resample=args.resample,
-                                         seed=args.seed))
+                                         seed=args.seed,
+                                         caller_gc_inside=args.caller_gc_inside))
                 results["smc"].append(r)
                 print(row_md(args.model, r), flush=True)
     if not args.no_nested:

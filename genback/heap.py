@@ -12,6 +12,14 @@ starts (``vllm.utils.gc_utils.freeze_gc_heap``: collect every generation, then f
 Objects frozen are still freed by reference counting; only cyclic garbage among them would never
 be collected (everything unreachable is collected first); at exit they are unfrozen again. Set
 ``GENBACK_GC_FREEZE=0`` to keep the collector as it is.
+
+Validated contexts are tuples of ints, created per query (an SMC step's context is its parent's
+tuple plus one token). A new tuple is tracked by the collector until the first collection that
+sees it finds only atomic items and untracks it (CPython's ``_PyTuple_MaybeUntrack``); until then
+that collection walks it three times, item by item: about 12 ns per token, 190 µs per query at
+16,000 tokens, more than the rest of the query's host work. :func:`untrack_ids` does at once what
+that collection would do, with the C API's ``PyObject_GC_UnTrack`` (through ``ctypes.pythonapi``,
+which holds the GIL during the call).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 import threading
 
 _lock = threading.Lock()
@@ -42,3 +51,38 @@ def freeze_startup_heap() -> bool:
         # finalises them as usual (extension modules report objects never finalised as leaks)
         atexit.register(gc.unfreeze)
         return True
+
+
+def _gc_untrack():
+    """``PyObject_GC_UnTrack`` of the running CPython, or None (another implementation)."""
+    if sys.implementation.name != "cpython":
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+    except (ImportError, AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.py_object]
+    fn.restype = None
+    return fn
+
+
+_untrack = _gc_untrack()
+UNTRACK_MIN = 64  # shorter tuples cost the collector less than the call (~0.3 µs)
+
+
+def untrack_ids(ids: tuple) -> tuple:
+    """Stop the cyclic garbage collector from tracking ``ids`` and return it.
+
+    ``ids`` must be a tuple whose items are all exact ``int`` objects (a validated context): such a
+    tuple can never be part of a reference cycle, and CPython's own collector untracks it at the
+    first collection that sees it, after walking it. Tuples shorter than :data:`UNTRACK_MIN`, and
+    every tuple on an interpreter other than CPython, are returned as they are. Raises
+    ``TypeError`` when ``ids`` is not a tuple.
+    """
+    if type(ids) is not tuple:
+        raise TypeError(f"ids must be a tuple of ints, got {type(ids).__name__}")
+    if _untrack is not None and len(ids) >= UNTRACK_MIN and gc.is_tracked(ids):
+        _untrack(ids)
+    return ids

@@ -8,6 +8,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from ..heap import untrack_ids
 from ..query import HASH_TAIL, context_hash
 
 
@@ -78,6 +79,10 @@ class ContextChecker:
             the memory holds references to tuples that the output cache and queries mostly hold
             anyway.
 
+    Every validated tuple is untracked by the cyclic garbage collector
+    (:func:`genback.heap.untrack_ids`): it holds exact ints only, and long contexts would otherwise
+    be walked by the next collection.
+
     Thread-safe for its purpose: a lost update under concurrent use only costs a full check.
     """
 
@@ -135,7 +140,8 @@ class ContextChecker:
 
     def _remember(self, h: int, ids: tuple) -> None:
         seen = self._seen
-        seen[h] = ids
+        # a validated tuple holds exact ints only: untracked now, no collection walks it
+        seen[h] = untrack_ids(ids)
         self._touch(h)
         while len(seen) > self.max_contexts:
             try:
