@@ -22,7 +22,8 @@ from ...query import NextToken, Query, Score, Step
 from ...sampling import choose_rows
 from . import tree_attention
 from .past_pool import PastPool
-from .plan import Path, split_segments
+from .plan import Path
+from .segments import split_segments
 from .tree_cache import TreeCache
 
 
@@ -215,7 +216,7 @@ def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_sha
     if placed is not None:
         index, _, pads = placed
         # each row's left padding of the private past: columns < pad are masked (one op)
-        mask[:, 0, :, :P] = (torch.arange(P)[None, :] >= torch.tensor(pads)[:, None])[:, None, :]
+        mask[:, 0, :, :P] = (torch.arange(P)[None, :] >= torch.from_numpy(pads)[:, None])[:, None, :]
         out = torch.empty((2, heads, R * (P + m), dim), dtype=dtype, device=dev)
 
     segments = [tree_attention.Segment(

@@ -94,7 +94,7 @@ class KVTree:
     # -- lookup ---------------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int], limit: int | None = None, touch: bool = True,
-              adapter=None, parent: tuple | None = None):
+              adapter=None, parent: tuple | None = None, segments: bool = True):
         """Longest cached prefix of ``tokens`` (under ``adapter``), at most ``limit`` tokens long.
 
         Args:
@@ -106,6 +106,9 @@ class KVTree:
                 noted (:meth:`note_end`) and its node is still in the tree, the walk starts at
                 that node: no token of the context is compared (an SMC step or a decoding step
                 costs the same for 100 tokens as for 16,000).
+            segments: False: return None for the segments (the runner lists them for all the
+                paths of a forward at once, :mod:`.segments`); a walk from ``parent``'s node is
+                then O(1).
 
         Returns:
             ``(segments, length, holder)``: ``segments`` is the list of ``(node, k, kv)`` whose
@@ -124,10 +127,13 @@ class KVTree:
                 node = end[1]
                 if node.kv is None or node.parent is None or node.depth != len(parent):
                     node = None  # evicted or merged away since: walk from the root
+        want, segments = segments, []
         if node is not None:
-            pos, segments = node.depth, self.path(node)
+            pos = node.depth
+            if want:
+                segments = self.path(node)
         else:
-            node, pos, segments = self._roots.get(adapter), 0, []
+            node, pos = self._roots.get(adapter), 0
             if node is None:  # nothing cached under this adapter: an empty stand-in root
                 node = _Node(None, (), None, 0)
         while pos < limit:
@@ -139,13 +145,14 @@ class KVTree:
             k = common_prefix_length(edge[:n], tokens[pos:pos + n])
             if k == 0:
                 break
-            segments.append((child, k, child.kv if k == len(edge) else child.kv[:, :, :, :k]))
+            if want:
+                segments.append((child, k, child.kv if k == len(edge) else child.kv[:, :, :, :k]))
             node, pos = child, pos + k
             if k < len(edge):
                 break
         if touch:
             self._touch(node)
-        return segments, pos, node
+        return (segments if want else None), pos, node
 
     @staticmethod
     def path(node: _Node) -> list:
@@ -178,7 +185,7 @@ class KVTree:
     # -- insertion ------------------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor, adapter=None,
-               near: _Node | None = None) -> _Node:
+               near: _Node | None = None, touch: bool = True) -> _Node:
         """Store the KV of ``tokens[start:]`` (``kv``'s dim 3 has ``len(tokens) - start`` entries)
         under ``adapter`` (None: the base model).
 
@@ -186,8 +193,9 @@ class KVTree:
         ``insert``). Parts that another insertion already stored are kept and not duplicated.
         ``near``: the holder ``match`` returned for ``tokens[:start]`` (held since): the walk
         starts there instead of comparing the whole cached prefix again from the root (still
-        right when an insertion meanwhile split that node's edge). Returns the node that ends at
-        ``len(tokens)``; call ``evict`` afterwards.
+        right when an insertion meanwhile split that node's edge). ``touch=False``: leave the
+        LRU order to a later :meth:`touch_all`. Returns the node that ends at ``len(tokens)``;
+        call ``evict`` afterwards.
         """
         if type(tokens) is not tuple:
             tokens = tuple(tokens)
@@ -219,7 +227,8 @@ class KVTree:
             if k < len(edge):
                 child = self._split(child, k)
             node, pos = child, pos + k
-        self._touch(node)
+        if touch:
+            self._touch(node)
         return node
 
     def _split(self, node: _Node, k: int) -> _Node:
@@ -307,6 +316,23 @@ class KVTree:
             node, pos = child, pos + len(child.edge)
         return node
 
+    def touch_all(self, nodes) -> None:
+        """Mark ``nodes`` and their ancestors as recently used, each once: the work is per
+        distinct node of the union of their paths (not per node of each path), and the LRU
+        invariant holds (a parent moves after its descendants)."""
+        seen, order = set(), []
+        for node in nodes:
+            while node is not None and node.parent is not None and node not in seen:
+                seen.add(node)
+                order.append(node)
+                node = node.parent
+        order.sort(key=_depth, reverse=True)
+        lru = self._lru
+        for node in order:
+            if node.kv is not None:  # (not evicted or merged away meanwhile)
+                lru[node] = None
+                lru.move_to_end(node)
+
     def _touch(self, node: _Node) -> None:
         while node is not None and node.parent is not None:  # roots are not in the LRU
             self._lru[node] = None
@@ -371,6 +397,38 @@ class KVTree:
             node.kv = None
         root.children.clear()
         return freed
+
+
+def _depth(node: _Node) -> int:
+    return node.depth
+
+
+def holder_end(holder: _Node | None, cached: int) -> tuple[_Node | None, int]:
+    """``(node, k)``: the node whose edge holds token ``cached - 1`` of a cached prefix that
+    :meth:`KVTree.match` ended in ``holder``, and how many tokens of that edge the prefix uses;
+    ``(None, 0)`` when nothing is cached. Still right after a later insertion split the
+    holder's edge (the holder keeps the lower part; the prefix may now end in the upper one)."""
+    if holder is None or cached <= 0:
+        return None, 0
+    node = holder
+    while node.parent is not None and node.depth - len(node.edge) >= cached:
+        node = node.parent
+    if node.parent is None:
+        return None, 0
+    return node, cached - (node.depth - len(node.edge))
+
+
+def prefix_segments(holder: _Node | None, cached: int) -> list:
+    """The segments ``(node, k, kv)`` from the root down whose ``kv`` concatenate to the KV of
+    a prefix of ``cached`` tokens that :meth:`KVTree.match` ended in ``holder``."""
+    node, k = holder_end(holder, cached)
+    segments = []
+    while node is not None and node.parent is not None:
+        segments.append((node, k, node.kv if k == len(node.edge) else node.kv[:, :, :, :k]))
+        node = node.parent
+        k = len(node.edge)
+    segments.reverse()
+    return segments
 
 
 def common_prefix_length(a, b, start: int = 0) -> int:

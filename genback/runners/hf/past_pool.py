@@ -32,6 +32,8 @@ import weakref
 import numpy as np
 import torch
 
+from .segments import PrivatePasts
+
 
 class PastPool:
     """Private-past columns shared by the tree-attention forwards of one runner.
@@ -77,66 +79,68 @@ class PastPool:
         self.used, self._where = 1, {}
         self.rebuilds += 1
 
-    def place(self, private: list[list[torch.Tensor]], m: int
-              ) -> tuple[torch.Tensor, int, list[int]] | None:
+    def place(self, private: PrivatePasts, m: int
+              ) -> tuple[torch.Tensor, int, np.ndarray] | None:
         """Make sure every row's private segments are in the pool; plan the layer layout.
 
         Args:
-            private: per row, its private segments' KV in order, each ``[layers, 2, kv_heads,
-                L, dim]``.
+            private: the rows' private segments (:func:`.segments.split_segments`).
             m: new tokens per row (right-padded) of the forward.
 
         Returns:
             None when no row has a private past, else ``(index, P, pads)``: ``index`` long
             ``[R * (P + m)]`` on the device, the pool columns of each row's left-padded past
-            then its ``m`` scratch columns; ``P`` the longest private past; ``pads`` each row's
-            left padding.
+            then its ``m`` scratch columns; ``P`` the longest private past; ``pads`` (``int64
+            [R]``) each row's left padding.
+
+        Python work is per distinct segment (the union of the rows' paths), not per row and
+        segment: the layout is computed by NumPy from ``private.chains``.
         """
-        R = len(private)
-        seg_lens = [[kv.shape[3] for kv in segs] for segs in private]
-        lengths = [sum(lens) for lens in seg_lens]
-        P = max(lengths, default=0)
+        chains = private.chains
+        R = chains.shape[0]
+        lengths = private.path_lengths()
+        P = int(lengths.max()) if R else 0
         if P == 0:
             return None
-        distinct = {id(kv): kv for segs in private for kv in segs}
+        kvs = private.kvs
         where = self._where
-        missing = [kv for key, kv in distinct.items()
-                   if (hit := where.get(key)) is None or hit[0]() is not kv]
-        extra = sum(kv.shape[3] for kv in missing)
+        missing = [i for i, kv in enumerate(kvs)
+                   if (hit := where.get(id(kv))) is None or hit[0]() is not kv]
+        extra = int(private.lengths[missing].sum()) if missing else 0
         if self.store is None or self.used + extra + R * m > self.capacity:
-            self._rebuild(sum(kv.shape[3] for kv in distinct.values()) + R * m)
-            missing = list(distinct.values())
+            self._rebuild(int(private.lengths.sum()) + R * m)
+            missing = list(range(len(kvs)))
+        where = self._where  # (a rebuild above replaced it)
         if missing:  # one copy for all of them
-            added = sum(kv.shape[3] for kv in missing)
-            block = missing[0] if len(missing) == 1 else torch.cat(missing, dim=3)
+            added = int(private.lengths[missing].sum())
+            block = (kvs[missing[0]] if len(missing) == 1
+                     else torch.cat([kvs[i] for i in missing], dim=3))
             self.store[:, :, :, self.used:self.used + added].copy_(block)
-            for kv in missing:
-                self._where[id(kv)] = (weakref.ref(kv), self.used)
+            for i in missing:
+                kv = kvs[i]
+                where[id(kv)] = (weakref.ref(kv), self.used)
                 self.used += kv.shape[3]
             self.columns_copied += added
         scratch = self.used
         self._scratch = scratch
-        # the index as runs of columns (start, length, step): a row's left padding (column 0
+        # the index as runs of columns (start, length, step) per row: its left padding (column 0
         # repeated), its segments' columns, its scratch; expanded by numpy, so a long segment
         # costs no Python object per column
-        where = self._where  # (a rebuild above replaced it)
-        pads = [P - n for n in lengths]
-        starts, runs, steps = [], [], []
-        for i, segs in enumerate(private):
-            starts.append(0)
-            runs.append(pads[i])
-            steps.append(0)
-            starts.extend(where[id(kv)][1] for kv in segs)
-            runs.extend(seg_lens[i])
-            steps.extend([1] * len(segs))
-            starts.append(scratch + i * m)
-            runs.append(m)
-            steps.append(1)
-        runs_np = np.array(runs, dtype=np.int64)
-        first = np.cumsum(runs_np) - runs_np  # each run's first place in the index
-        offset = np.arange(R * (P + m), dtype=np.int64) - np.repeat(first, runs_np)
-        index = np.repeat(np.array(starts, dtype=np.int64), runs_np) + offset * np.repeat(
-            np.array(steps, dtype=np.int64), runs_np)
+        first_col = np.array([where[id(kv)][1] for kv in kvs] + [0], dtype=np.int64)
+        seg_len = np.append(private.lengths, 0)  # (index -1: no segment)
+        pads = P - lengths
+        D = chains.shape[1]
+        starts = np.empty((R, D + 2), dtype=np.int64)
+        runs = np.empty((R, D + 2), dtype=np.int64)
+        steps = np.ones((R, D + 2), dtype=np.int64)
+        starts[:, 0], runs[:, 0], steps[:, 0] = 0, pads, 0
+        starts[:, 1:D + 1], runs[:, 1:D + 1] = first_col[chains], seg_len[chains]
+        starts[:, D + 1] = scratch + m * np.arange(R)
+        runs[:, D + 1] = m
+        starts, runs, steps = starts.ravel(), runs.ravel(), steps.ravel()
+        first = np.cumsum(runs) - runs  # each run's first place in the index
+        offset = np.arange(R * (P + m), dtype=np.int64) - np.repeat(first, runs)
+        index = np.repeat(starts, runs) + offset * np.repeat(steps, runs)
         return torch.from_numpy(index).to(self.device), P, pads
 
     def layer(self, layer: int, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor,

@@ -11,18 +11,18 @@ which query outputs each path answers.
   slices and comparisons), never token by token in Python.
 * :func:`group_paths`: forwards sized by work — the tokens they forward (padding included) and the
   bytes their attention needs — never by the length of whole contexts.
-* :func:`split_segments`: which cached segments a forward reads once for all paths below them
-  (shared) and which it gathers per path (private).
+
+Which cached segments a forward reads once for all paths below them is decided per forward, over
+the union of its paths (:func:`.segments.split_segments`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
 from ...query import Query
-from .kvtree import common_prefix_length
+from .kvtree import common_prefix_length, prefix_segments
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,13 @@ class Output:
 
 
 class Path:
-    """A token sequence one forward extends: ``segments`` (``(node, k, kv)`` from
-    ``KVTree.match``) hold the KV of ``tokens[:cached]``; the forward computes ``tokens[cached:]``
-    and the logits ``outputs`` need. ``limit``: how far its cached prefix may reach (its first
-    needed position). ``segments is None`` until matched (paths after a prefill level)."""
+    """A token sequence one forward extends: the tree's path down to ``holder`` (the node
+    ``KVTree.match`` ended in, held by the runner while the path is in use) holds the KV of
+    ``tokens[:cached]``; the forward computes ``tokens[cached:]`` and the logits ``outputs``
+    need. ``limit``: how far its cached prefix may reach (its first needed position). ``holder
+    is None`` until matched (paths after a prefill level)."""
 
-    __slots__ = ("tokens", "adapter", "limit", "outputs", "segments", "cached", "holder")
+    __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder")
 
     def __init__(self, tokens: tuple[int, ...], adapter, limit: int, outputs: list[Output],
                  match=None):
@@ -49,7 +50,13 @@ class Path:
         self.adapter = adapter
         self.limit = limit
         self.outputs = outputs
-        self.segments, self.cached, self.holder = match if match is not None else (None, 0, None)
+        _, self.cached, self.holder = match if match is not None else (None, 0, None)
+
+    @property
+    def segments(self) -> list | None:
+        """The cached prefix's segments ``(node, k, kv)`` from the root down (see
+        :func:`.kvtree.prefix_segments`; a walk per call), or None until matched."""
+        return None if self.holder is None else prefix_segments(self.holder, self.cached)
 
     @property
     def n_new(self) -> int:
@@ -110,7 +117,7 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
     if not shared:
         return [paths]
     for p in paths:  # prefills commit KV first: match these paths when their level runs
-        p.segments, p.cached, p.holder = None, 0, None
+        p.cached, p.holder = 0, None
     adapter = queries[0].adapter
     levels = [[Path(prefix, adapter, len(prefix), []) for prefix in level]
               for level in nesting_levels(sorted(shared))]
@@ -187,43 +194,3 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
     if group:
         groups.append(group)
     return groups
-
-
-def split_segments(paths: list[Path], min_shared_tokens: int):
-    """Decide which cached segments a forward attends to once for all paths below them.
-
-    A segment (a node's first ``k`` tokens) used by ``n >= 2`` paths is shared when it is at
-    least ``min_shared_tokens`` long (so it also saves at least that many token copies): a
-    shorter one costs more as its own attention call and merge in every layer than laid out per
-    path. (Counting only the copies saved, ``(n - 1) * k``, shared the short nodes that merged
-    decoding steps leave among resampled particles: ~5 segments per forward instead of 1, 1.10x
-    the decode time of 256 particles over a 100-token prompt on SmolLM2, measured.)
-
-    Returns:
-        ``(shared, private)``: ``shared`` a list of ``(kv, path indices)``; ``private`` one list
-        per path of its other segments' KV tensors (as ``KVTree.match`` gave them: a node's own
-        ``kv`` when the whole edge is used, so its identity lasts across forwards; see
-        :class:`.past_pool.PastPool`).
-    """
-    # count each segment's paths in C (Counter over a flat key list); path indices only for the
-    # few segments that qualify
-    keys = [[(id(node), k) for node, k, _ in r.segments] for r in paths]
-    counts = Counter(key for row in keys for key in row)
-    qualify = {key for key, n in counts.items()
-               if n >= 2 and key[1] >= min_shared_tokens}
-    if not qualify:
-        return [], [[kv for _, _, kv in r.segments] for r in paths]
-    users: dict[tuple, list[int]] = {key: [] for key in counts if key in qualify}  # (in order)
-    kvs: dict[tuple, object] = {}
-    private = []
-    for i, (r, row) in enumerate(zip(paths, keys)):
-        mine = []
-        for key, segment in zip(row, r.segments):
-            idx = users.get(key)
-            if idx is None:
-                mine.append(segment[2])
-            else:
-                idx.append(i)
-                kvs[key] = segment[2]
-        private.append(mine)
-    return [(kvs[key], idx) for key, idx in users.items()], private

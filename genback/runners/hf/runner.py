@@ -202,7 +202,9 @@ class HFRunner:
 
     def _matcher(self, adapter):
         tree = self.tree
-        return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent)
+        # (no touch: _execute touches the union of a level's paths once, KVTree.touch_all)
+        return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent,
+                                           touch=False, segments=False)
 
     def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
         """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
@@ -338,12 +340,12 @@ class HFRunner:
         KV to the tree at once (a batch's new KV is never all held at one time). Returns
         ``(output, result)`` pairs."""
         answered: list[tuple[Output, object]] = []
-        held = []
+        held, new = [], []
         try:
             for p in level:
-                if p.segments is None:  # (planned paths were matched, and touched, by the plan)
-                    p.segments, p.cached, p.holder = self.tree.match(p.tokens, p.limit,
-                                                                     adapter=p.adapter)
+                if p.holder is None:  # (planned paths were matched, and touched, by the plan)
+                    _, p.cached, p.holder = self.tree.match(
+                        p.tokens, p.limit, touch=False, adapter=p.adapter, segments=False)
                 self.tree.acquire(p.holder)
                 held.append(p.holder)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
@@ -352,11 +354,16 @@ class HFRunner:
                 values, new_kv = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, kv in zip(group, new_kv):
-                    node = self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder)
+                    node = self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder,
+                                            touch=False)
                     self._inserted.append(node)
+                    new.append(node)
                     self.tree.note_end(p.tokens, node, p.adapter)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
+            # the LRU order of everything this level used or inserted, each node once (also
+            # after an error: an inserted node must be in the LRU)
+            self.tree.touch_all(held + new)
             for holder in held:
                 self.tree.release(holder)
         return answered

@@ -1,0 +1,135 @@
+"""The union of a forward's paths (genback.runners.hf.segments) and the past pool's layout from it,
+against brute force: each path's segments listed one by one from the tree, counted per path,
+laid out by concatenation. Random trees with splits after matching (a later insertion of the
+same level splits a holder's edge) and compaction; every path's KV is read back token by token."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genback.runners.hf.kvtree import KVTree, prefix_segments
+from genback.runners.hf.past_pool import PastPool
+from genback.runners.hf.plan import Path
+from genback.runners.hf.segments import split_segments
+
+
+def _kv(tokens: tuple, start: int) -> torch.Tensor:
+    """KV whose values name each token: [..., 0] its position, [..., 1] its id, [..., 2] a
+    hash of the context up to it (so equal ids at equal positions on other paths differ)."""
+    rows = [[float(i), float(tokens[i]), float(hash(tokens[:i + 1]) % 1000)]
+            for i in range(start, len(tokens))]
+    return torch.tensor(rows).reshape(1, 1, 1, -1, 3).expand(1, 2, 1, -1, 3).contiguous()
+
+
+def _brute(paths: list[Path], min_shared: int):
+    """The per-path rule, segment by segment: ``(shared {key: sorted path indices}, private
+    [[key, ...] per path])`` with key ``(data_ptr, length)`` of a segment's KV."""
+    segs = [prefix_segments(p.holder, p.cached) for p in paths]
+    count = Counter((id(n), k) for row in segs for n, k, _ in row)
+    shared, private = {}, []
+    for i, row in enumerate(segs):
+        mine = []
+        for n, k, kv in row:
+            key = (kv.data_ptr(), kv.shape[3])
+            if count[(id(n), k)] >= 2 and k >= min_shared:
+                shared.setdefault(key, []).append(i)
+            else:
+                mine.append(key)
+        private.append(mine)
+    return shared, private
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=14),
+       st.lists(st.integers(0, 40), min_size=1, max_size=10),
+       st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), max_size=4),
+       st.integers(1, 6), st.integers(1, 3), st.booleans())
+def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_shared, m, compact):
+    tree = KVTree(1 << 30)
+    stored = []
+    for s in seqs:  # contexts sharing prefixes (small alphabet)
+        tokens = tuple(s)
+        _, cached, holder = tree.match(tokens)
+        if cached < len(tokens):
+            node = tree.insert(tokens, cached, _kv(tokens, cached), near=holder)
+            if compact:
+                tree.compact(node)
+        stored.append(tokens)
+    # paths: prefixes of stored contexts (some ending inside an edge), matched now
+    paths = []
+    for j in picks:
+        tokens = stored[j % len(stored)]
+        tokens = tokens[: 1 + (j // len(stored)) % len(tokens)] + (3,)  # a new last token
+        _, cached, holder = tree.match(tokens, segments=False)
+        tree.acquire(holder)
+        paths.append(Path(tokens, None, len(tokens), [], (None, cached, holder)))
+    for s in later:  # insertions after matching: they may split the paths' holders
+        tokens = tuple(s) + (4,)
+        _, cached, holder = tree.match(tokens)
+        if cached < len(tokens):
+            tree.insert(tokens, cached, _kv(tokens, cached), near=holder)
+
+    shared, private = split_segments(paths, min_shared)
+    want_shared, want_private = _brute(paths, min_shared)
+    assert {(kv.data_ptr(), kv.shape[3]): idx for kv, idx in shared} == want_shared
+    got_private = [[(private.kvs[j].data_ptr(), private.kvs[j].shape[3]) for j in row if j >= 0]
+                   for row in private.chains.tolist()]
+    assert got_private == want_private
+    assert len({id(kv) for kv in private.kvs}) == len(private.kvs)  # each segment once
+
+    # every path's KV, shared and private parts together, is its prefix, token by token
+    for i, p in enumerate(paths):
+        parts = [kv for kv, idx in shared if i in idx]
+        parts += [private.kvs[j] for j in private.chains[i].tolist() if j >= 0]
+        got = (torch.cat(parts, dim=3)[0, 0, 0] if parts else torch.zeros((0, 3)))
+        got = got[got[:, 0].argsort()]
+        assert torch.equal(got, _kv(p.tokens[:p.cached], 0)[0, 0, 0] if p.cached
+                           else torch.zeros((0, 3)))
+
+    # the pool lays out each row's private past, left-padded, then its scratch columns
+    pool = PastPool((1, 1, 3, torch.float32, torch.device("cpu")))
+    for _ in range(2):  # the second time from the columns kept (nothing copied)
+        before = pool.columns_copied
+        placed = pool.place(private, m)
+        lengths = [sum(private.kvs[j].shape[3] for j in row if j >= 0)
+                   for row in private.chains.tolist()]
+        if max(lengths, default=0) == 0:
+            assert placed is None
+            break
+        index, P, pads = placed
+        assert P == max(lengths) and pads.tolist() == [P - n for n in lengths]
+        cols = index.view(len(paths), P + m)
+        for i, row in enumerate(private.chains.tolist()):
+            kvs = [private.kvs[j] for j in row if j >= 0]
+            want = torch.cat(kvs, dim=3)[0, 0, 0] if kvs else torch.zeros((0, 3))
+            past = pool.store[0, 0, 0, cols[i, pads[i]:P]]
+            assert torch.equal(past, want)
+            assert (cols[i, :pads[i]] == 0).all()  # the padding reads column 0
+            assert cols[i, P:].tolist() == [pool._scratch + i * m + t for t in range(m)]
+        if _ == 1:  # the same segments again: found in the pool by identity
+            assert pool.columns_copied == before
+    for p in paths:
+        tree.release(p.holder)
+
+
+def test_touch_all_keeps_parents_more_recent_than_their_descendants():
+    tree = KVTree(1 << 30)
+    ends = []
+    for s in [(1, 2, 3), (1, 2, 4), (1, 5), (6,), (1, 2, 3, 7), (8, 9)]:
+        _, cached, holder = tree.match(s)
+        ends.append(tree.insert(s, cached, _kv(s, cached), near=holder))
+    tree.touch_all([ends[3], ends[0], ends[4], ends[0]])
+    order = list(tree._lru)
+    assert len(order) == len(set(order)) == len(tree)
+    for node in order:
+        if node.parent is not None and node.parent.parent is not None:
+            assert order.index(node.parent) > order.index(node)
+    # the nodes touched (and their ancestors) are now the most recent
+    touched = {ends[3], ends[0], ends[4], ends[0].parent, ends[0].parent.parent}
+    assert ends[0].parent.edge == (2,) and ends[4].parent is ends[0]  # ((1, 5) split (1, 2))
+    assert set(order[-len(touched):]) == touched
+    assert order[0] in (ends[5], ends[1], ends[2])
