@@ -50,7 +50,10 @@ class _Entry:
         self.futures = [future]
 
     def live(self) -> bool:
-        return any(not f.done() for f in self.futures)
+        for f in self.futures:  # (a loop: no generator per call)
+            if not f.done():
+                return True
+        return False
 
 
 class _LoopState:
@@ -97,6 +100,7 @@ class Batcher:
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
+        self._last: tuple | None = None  # (loop, its state): the loop that enqueued last
         self._closed = False
         self.batches = 0  # dispatched batches
         self.queries = 0  # distinct queries computed
@@ -126,7 +130,8 @@ class Batcher:
         if self._closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         loop = asyncio.get_running_loop()
-        state = self._state(loop)
+        last = self._last  # (one read: the pair is replaced whole, never mutated)
+        state = last[1] if last is not None and last[0] is loop else self._state(loop)
         future = loop.create_future()
         with self._lock:
             entry = state.pending.get(key)
@@ -139,7 +144,9 @@ class Batcher:
                         state.timer = loop.call_later(self.window, self._on_window, state)
                 # a replaced entry had only cancelled callers
                 state.pending[key] = _Entry(key, query, future)
-        self._maybe_dispatch(state)
+            ready = state.window_expired or len(state.pending) >= self.max_batch_size
+        if ready:  # (otherwise the window's timer or the running batch's end dispatches it)
+            self._maybe_dispatch(state)
         return future
 
     def reset(self, exc: BaseException | None = None) -> int:
@@ -197,6 +204,7 @@ class Batcher:
             state = self._states.get(loop)
             if state is None:
                 state = self._states[loop] = _LoopState(loop)
+            self._last = (loop, state)
             return state
 
     def _on_window(self, state: _LoopState) -> None:

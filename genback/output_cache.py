@@ -49,18 +49,24 @@ class OutputCache:
             return row
 
     def put(self, key: Hashable, row) -> None:
+        self.put_many(((key, row),))
+
+    def put_many(self, items) -> None:
+        """``put`` of each ``(key, row)`` of ``items``, in order, under one lock."""
         if self.max_entries == 0:
             return
+        rows, devices = self._rows, self._devices
         with self._lock:
-            if self.move_to_cpu and hasattr(row, "device"):
-                self._devices[key] = row.device
-                row = row.cpu()
-            old = self._rows.pop(key, None)
-            self.bytes_held += _nbytes(row) - _nbytes(old)
-            self._rows[key] = row
-            while len(self._rows) > self.max_entries:
-                gone, dropped = self._rows.popitem(last=False)
-                self._devices.pop(gone, None)
+            for key, row in items:
+                if self.move_to_cpu and hasattr(row, "device"):
+                    devices[key] = row.device
+                    row = row.cpu()
+                old = rows.pop(key, None)
+                self.bytes_held += _nbytes(row) - _nbytes(old)
+                rows[key] = row
+            while len(rows) > self.max_entries:
+                gone, dropped = rows.popitem(last=False)
+                devices.pop(gone, None)
                 self.bytes_held -= _nbytes(dropped)
 
     def drop(self, predicate) -> int:

@@ -157,12 +157,20 @@ class Front:
         return results
 
     def store(self, query: Query, value) -> None:
-        """Keep a computed next-token row (the only place the output cache is written). The
-        query's lineage hint (``parent``) is dropped first: it served the runner's match, and a
-        cached key would otherwise keep its parent context alive too."""
-        if type(query) is NextToken and not isinstance(value, BaseException):
-            query.parent = None
-            self.cache.put(query, value)
+        """Keep a computed next-token row (with :meth:`store_many`, the only place the output
+        cache is written). The query's lineage hint (``parent``) is dropped first: it served the
+        runner's match, and a cached key would otherwise keep its parent context alive too."""
+        self.store_many((query,), (value,))
+
+    def store_many(self, queries, values) -> None:
+        """:meth:`store` for several queries, under one lock of the cache."""
+        rows = []
+        for query, value in zip(queries, values):
+            if type(query) is NextToken and not isinstance(value, BaseException):
+                query.parent = None
+                rows.append((query, value))
+        if rows:
+            self.cache.put_many(rows)
 
     def compute(self, queries: list[Query]) -> list:
         """One result per query (the batch function of the worker, or of a sync caller): a row
@@ -185,7 +193,7 @@ class Front:
                 computed = self.runner.run([queries[i] for i in todo]) if todo else []
             for i, value in zip(todo, computed):
                 results[i] = value
-                self.store(queries[i], value)
+            self.store_many([queries[i] for i in todo], computed)
         return results
 
     async def answer_one(self, query: Query):

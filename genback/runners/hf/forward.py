@@ -97,7 +97,7 @@ def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.devic
     if rows_at:
         rows = torch.log_softmax(
             logits.index_select(0, torch.tensor(rows_at, device=dev)).float(), dim=-1
-        ).to(row_device)
+        ).to(row_device).unbind(0)  # (one call for all the row views)
     if tgt_at:
         idx = torch.tensor(tgt_at, device=dev)
         tgt = torch.tensor(targets, device=dev)
