@@ -48,3 +48,33 @@ def test_first_model_freezes_the_loaded_heap_once():
 
 def test_gc_freeze_can_be_turned_off():
     assert _run("0") == [0, 0, 0]
+
+
+def test_validated_contexts_are_untracked_by_the_garbage_collector():
+    import gc
+
+    from genback.heap import UNTRACK_MIN, untrack_ids
+    from genback.llm.inputs import ContextChecker
+
+    checker = ContextChecker(vocab_size=50_000)
+    prompt = [1000 + i for i in range(300)]  # ints the interpreter does not cache
+    ids, _, parent = checker.check(list(prompt))  # the full check
+    assert parent is None and not gc.is_tracked(ids) and ids == tuple(prompt)
+    step, _, parent = checker.check(prompt + [7])  # an extension by one token
+    assert parent is ids and not gc.is_tracked(step) and step == (*prompt, 7)
+    assert checker.check(prompt + [7])[0] is step  # seen before: the same tuple back
+    gc.disable()  # (a collection in between would untrack the short tuple itself)
+    try:
+        short = tuple(range(1000, 1000 + UNTRACK_MIN - 1))
+        assert untrack_ids(short) is short and gc.is_tracked(short)  # (not worth the call)
+        long = tuple(range(1000, 1000 + UNTRACK_MIN))
+        assert gc.is_tracked(long)
+        assert untrack_ids(long) is long and not gc.is_tracked(long)
+    finally:
+        gc.enable()
+    try:
+        untrack_ids(list(long))
+    except TypeError as e:
+        assert "tuple" in str(e)
+    else:
+        raise AssertionError("untrack_ids accepted a list")
