@@ -226,7 +226,7 @@ class HFRunner:
         if self._working_set(L, L, n_out) <= limit:  # fits even with nothing cached
             return None
         cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter,
-                                 parent=q.parent)[1]
+                                 parent=q.parent, segments=False)[1]
         if self._working_set(L - cached, L, n_out) <= limit:
             return None
         per_position = self._working_set(1, L, 1)
