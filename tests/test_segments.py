@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback.runners.hf.kvtree import KVTree, prefix_segments
+from genback.runners.hf.kvtree import KVTree
 from genback.runners.hf.past_pool import PastPool
 from genback.runners.hf.plan import Path
-from genback.runners.hf.segments import split_segments
+from genback.runners.hf.segments import prefix_segments, split_segments
 
 
 def _kv(tokens: tuple, start: int) -> torch.Tensor:

@@ -410,34 +410,6 @@ def _depth(node: _Node) -> int:
     return node.depth
 
 
-def holder_end(holder: _Node | None, cached: int) -> tuple[_Node | None, int]:
-    """``(node, k)``: the node whose edge holds token ``cached - 1`` of a cached prefix that
-    :meth:`KVTree.match` ended in ``holder``, and how many tokens of that edge the prefix uses;
-    ``(None, 0)`` when nothing is cached. Still right after a later insertion split the
-    holder's edge (the holder keeps the lower part; the prefix may now end in the upper one)."""
-    if holder is None or cached <= 0:
-        return None, 0
-    node = holder
-    while node.parent is not None and node.depth - len(node.edge) >= cached:
-        node = node.parent
-    if node.parent is None:
-        return None, 0
-    return node, cached - (node.depth - len(node.edge))
-
-
-def prefix_segments(holder: _Node | None, cached: int) -> list:
-    """The segments ``(node, k, kv)`` from the root down whose ``kv`` concatenate to the KV of
-    a prefix of ``cached`` tokens that :meth:`KVTree.match` ended in ``holder``."""
-    node, k = holder_end(holder, cached)
-    segments = []
-    while node is not None and node.parent is not None:
-        segments.append((node, k, node.kv if k == len(node.edge) else node.kv[:, :, :, :k]))
-        node = node.parent
-        k = len(node.edge)
-    segments.reverse()
-    return segments
-
-
 def common_prefix_length(a, b, start: int = 0) -> int:
     """Length of the common prefix of sequences ``a`` and ``b``, given that it is at least
     ``start``: slice comparisons in C, halving the unresolved range (about ``2 * len`` element

@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ...query import Query
-from .kvtree import common_prefix_length, prefix_segments
+from .kvtree import common_prefix_length
+from .segments import prefix_segments
 
 
 class Output:

@@ -14,9 +14,40 @@ chase that lists each path's segments, the pool columns (:class:`.past_pool.Past
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .kvtree import holder_end
+if TYPE_CHECKING:
+    from .kvtree import _Node
+
+
+def holder_end(holder: _Node | None, cached: int) -> tuple[_Node | None, int]:
+    """``(node, k)``: the node whose edge holds token ``cached - 1`` of a cached prefix that
+    :meth:`.kvtree.KVTree.match` ended in ``holder``, and how many tokens of that edge the prefix
+    uses; ``(None, 0)`` when nothing is cached. Still right after a later insertion split the
+    holder's edge (the holder keeps the lower part; the prefix may now end in the upper one)."""
+    if holder is None or cached <= 0:
+        return None, 0
+    node = holder
+    while node.parent is not None and node.depth - len(node.edge) >= cached:
+        node = node.parent
+    if node.parent is None:
+        return None, 0
+    return node, cached - (node.depth - len(node.edge))
+
+
+def prefix_segments(holder: _Node | None, cached: int) -> list:
+    """The segments ``(node, k, kv)`` from the root down whose ``kv`` concatenate to the KV of
+    a prefix of ``cached`` tokens that :meth:`.kvtree.KVTree.match` ended in ``holder``."""
+    node, k = holder_end(holder, cached)
+    segments = []
+    while node is not None and node.parent is not None:
+        segments.append((node, k, node.kv if k == len(node.edge) else node.kv[:, :, :, :k]))
+        node = node.parent
+        k = len(node.edge)
+    segments.reverse()
+    return segments
 
 
 class PrivatePasts:
