@@ -31,6 +31,8 @@ from typing import Sequence
 
 import torch
 
+from .segments import prefix_segments
+
 
 class _Node:
     __slots__ = ("parent", "edge", "kv", "children", "refs", "pinned", "depth", "bytes")
@@ -133,7 +135,7 @@ class KVTree:
         if node is not None:
             pos = node.depth
             if want:
-                segments = self.path(node)
+                segments = prefix_segments(node, node.depth)
         else:
             node, pos = self._roots.get(adapter), 0
             if node is None:  # nothing cached under this adapter: an empty stand-in root
@@ -155,16 +157,6 @@ class KVTree:
         if touch:
             self._touch(node)
         return (segments if want else None), pos, node
-
-    @staticmethod
-    def path(node: _Node) -> list:
-        """The segments ``(node, len(edge), kv)`` from the root down to ``node`` (whole edges)."""
-        segments = []
-        while node.parent is not None:
-            segments.append((node, len(node.edge), node.kv))
-            node = node.parent
-        segments.reverse()
-        return segments
 
     def note_end(self, tokens: tuple, node: _Node, adapter=None) -> None:
         """Remember that the KV of ``tokens`` (this very tuple) ends exactly at ``node``, for a

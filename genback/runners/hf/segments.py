@@ -153,9 +153,10 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
         private_slots = [s for s in range(S) if s not in is_shared]
     else:
         private_slots = range(S)
+    private_slots = list(private_slots)
     kvs = [_kv(nodes[s], ks[s]) for s in private_slots]
-    private_of[list(private_slots)] = np.arange(len(kvs))
-    lengths = k_np[list(private_slots)] if S else np.zeros(0, dtype=np.int64)
+    private_of[private_slots] = np.arange(len(kvs))
+    lengths = k_np[private_slots]
 
     # -- each path's private chain, root side first: a pointer chase over all paths at once
     parent_ext = np.append(parent_np, -1)  # (index -1: above the root)
