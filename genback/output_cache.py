@@ -48,6 +48,19 @@ class OutputCache:
                 self.hits += 1
             return row
 
+    def get_many(self, keys) -> list:
+        """:meth:`get` of each key, under one lock (a key that is None: no lookup, None)."""
+        rows = self._rows
+        out = []
+        with self._lock:
+            for key in keys:
+                row = None if key is None else rows.get(key)
+                if row is not None:
+                    rows.move_to_end(key)
+                    self.hits += 1
+                out.append(row)
+        return out
+
     def put(self, key: Hashable, row) -> None:
         self.put_many(((key, row),))
 
@@ -109,4 +122,4 @@ class OutputCache:
 
 
 def _nbytes(row) -> int:
-    return 0 if row is None else row.numel() * row.element_size()
+    return 0 if row is None else row.nbytes

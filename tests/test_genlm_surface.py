@@ -26,6 +26,24 @@ def test_output_cache_mapping_api_is_lru():
     assert len(cache) == 0 and cache.bytes_held == 0
 
 
+def test_output_cache_get_many_is_get_of_each_key():
+    """``get_many`` (the worker's one-lock lookup of a batch) agrees with ``get`` key by key:
+    same rows, same hits, same LRU order; a None key is no lookup."""
+    a, b = OutputCache(3), OutputCache(3)
+    for cache in (a, b):
+        for k in "xyz":
+            cache[k] = torch.full((2,), float(ord(k)))
+    keys = ["y", "q", None, "x", "y"]
+    many = a.get_many(keys)
+    one = [None if k is None else b.get(k) for k in keys]
+    assert [r is None for r in many] == [False, True, True, False, False]
+    assert all(r is s or torch.equal(r, s) for r, s in zip(many, one) if r is not None)
+    assert a.hits == b.hits == 3
+    a["w"] = b["w"] = torch.zeros(2)  # evicts the least recently used: z in both
+    assert "z" not in a and "z" not in b and list(a._rows) == list(b._rows)
+    assert a.bytes_held == b.bytes_held == 3 * 2 * 4
+
+
 def test_output_cache_move_to_cpu_keeps_cpu_copies():
     cache = OutputCache(4, move_to_cpu=True)
     row = torch.arange(4.0)

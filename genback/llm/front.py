@@ -63,6 +63,9 @@ class Front:
                                        max_batch_size=size, count=runner.requests)
         else:
             self.scheduler = Batcher(self.compute, window=batch_window, max_batch_size=size)
+        # what ask awaits: the batcher's future itself (no coroutine of its own around it)
+        self._submit = (self.scheduler.enqueue if isinstance(self.scheduler, Batcher)
+                        else self.scheduler.submit)
         self._stats_lock = threading.Lock()
         self.queries = 0
         self.tokens_queried = 0
@@ -133,7 +136,7 @@ class Front:
             row = self.cache.get(query)
             if row is not None:
                 return row
-        return await self.scheduler.submit(query, query)
+        return await self._submit(query, query)
 
     def enqueue(self, query: Query):
         """:meth:`ask` as a future on the running loop (genlm-backend's ``add_query``)."""
@@ -176,14 +179,8 @@ class Front:
         """One result per query (the batch function of the worker, or of a sync caller): a row
         cached since the query was submitted, else the runner's result, or the exception that
         fails only that query (its adapter was removed while it waited, or it cannot fit)."""
-        results: list = [None] * len(queries)
-        todo = []
-        for i, q in enumerate(queries):
-            row = self.cache.get(q) if type(q) is NextToken else None
-            if row is not None:
-                results[i] = row
-            else:
-                todo.append(i)
+        results = self.cache.get_many([q if type(q) is NextToken else None for q in queries])
+        todo = [i for i, row in enumerate(results) if row is None]
         if todo:
             with self.lock:
                 self.check_open()

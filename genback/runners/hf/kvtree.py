@@ -26,6 +26,7 @@ Not thread-safe: the owner serialises access with a lock.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Sequence
 
@@ -202,13 +203,15 @@ class KVTree:
             raise ValueError(
                 f"kv covers {kv.shape[3]} tokens but tokens[start:] has {len(tokens) - start}"
             )
-        node, pos = self._root(adapter), 0
+        node = None
         if near is not None and near.parent is not None:
             edge_start = near.depth - len(near.edge)
             if start == near.depth:  # the cached prefix ends at the end of its edge
                 node, pos = near, start
             elif edge_start <= start < near.depth:  # ... inside its edge: compare that edge only
                 node, pos = near.parent, edge_start
+        if node is None:
+            node, pos = self._root(adapter), 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
@@ -273,7 +276,10 @@ class KVTree:
             return node
         taken.reverse()  # root side first
         node.kv = torch.cat([n.kv for n in taken] + [node.kv], dim=3)  # (one copy for all)
-        node.edge = sum((n.edge for n in taken), ()) + node.edge
+        edge = node.edge
+        for n in reversed(taken):
+            edge = n.edge + edge
+        node.edge = edge
         node.bytes = node.kv.numel() * node.kv.element_size()
         node.parent = up
         up.children[node.edge[0]] = node
@@ -327,10 +333,13 @@ class KVTree:
                 node = node.parent
         order.sort(key=_depth, reverse=True)
         lru = self._lru
+        move = lru.move_to_end
         for node in order:
             if node.kv is not None:  # (not evicted or merged away meanwhile)
-                lru[node] = None
-                lru.move_to_end(node)
+                try:
+                    move(node)
+                except KeyError:  # inserted with touch=False: not in the LRU yet
+                    lru[node] = None
 
     def _touch(self, node: _Node) -> None:
         while node is not None and node.parent is not None:  # roots are not in the LRU
@@ -398,8 +407,7 @@ class KVTree:
         return freed
 
 
-def _depth(node: _Node) -> int:
-    return node.depth
+_depth = operator.attrgetter("depth")
 
 
 def common_prefix_length(a, b, start: int = 0) -> int:

@@ -104,29 +104,36 @@ class PastPool:
             return None
         kvs = private.kvs
         where = self._where
-        missing = [i for i, kv in enumerate(kvs)
-                   if (hit := where.get(id(kv))) is None or hit[0]() is not kv]
-        extra = int(private.lengths[missing].sum()) if missing else 0
+        # each segment's first column in the pool, or -1 when it is not there (yet)
+        cols = []
+        for kv in kvs:
+            hit = where.get(id(kv))
+            cols.append(hit[1] if hit is not None and hit[0]() is kv else -1)
+        first_col = np.array(cols + [0], dtype=np.int64)
+        missing = np.flatnonzero(first_col < 0)
+        extra = int(private.lengths[missing].sum())
         if self.store is None or self.used + extra + R * m > self.capacity:
             self._rebuild(int(private.lengths.sum()) + R * m)
-            missing = list(range(len(kvs)))
+            missing = np.arange(len(kvs))
         where = self._where  # (a rebuild above replaced it)
-        if missing:  # one copy for all of them
-            added = int(private.lengths[missing].sum())
+        if len(missing):  # one copy for all of them
+            new_len = private.lengths[missing]
+            added = int(new_len.sum())
+            first_col[missing] = self.used + np.cumsum(new_len) - new_len
+            missing = missing.tolist()
             block = (kvs[missing[0]] if len(missing) == 1
                      else torch.cat([kvs[i] for i in missing], dim=3))
             self.store[:, :, :, self.used:self.used + added].copy_(block)
-            for i in missing:
+            for i, col in zip(missing, first_col[missing].tolist()):
                 kv = kvs[i]
-                where[id(kv)] = (weakref.ref(kv), self.used)
-                self.used += kv.shape[3]
+                where[id(kv)] = (weakref.ref(kv), col)
+            self.used += added
             self.columns_copied += added
         scratch = self.used
         self._scratch = scratch
         # the index as runs of columns (start, length, step) per row: its left padding (column 0
         # repeated), its segments' columns, its scratch; expanded by numpy, so a long segment
         # costs no Python object per column
-        first_col = np.array([where[id(kv)][1] for kv in kvs] + [0], dtype=np.int64)
         seg_len = np.append(private.lengths, 0)  # (index -1: no segment)
         pads = P - lengths
         D = chains.shape[1]

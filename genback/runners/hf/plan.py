@@ -100,6 +100,10 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
     paths: list[Path] = []
     shared: set = set()
     for members in groups.values():
+        if len(members) == 1:  # (most groups in an SMC step: each particle's own leaf)
+            i, q, limit, m = members[0]
+            paths.append(Path(q.tokens, q.adapter, limit, [Output(i, q, len(q.tokens))], m))
+            continue
         base = min(m[1] for _, _, _, m in members)
         members.sort(key=lambda e: e[1].tokens[base:])  # a prefix sorts right before extensions
         leaves: list[Path] = []

@@ -93,19 +93,28 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
     """
     # -- the union of the paths' chains: one slot per distinct segment ------------------------
     slot_of: dict = {}  # a node (its whole edge) or (node, k) -> slot
-    nodes, ks, parent = [], [], []
+    kv_of, ks, end_pos, parent = [], [], [], []
     ends = []
     for p in paths:
-        node, k = holder_end(p.holder, p.cached)
-        if node is None:
+        node, cached = p.holder, p.cached
+        if node is None or cached <= 0:
             ends.append(-1)
             continue
+        start = node.depth - len(node.edge)
+        if start >= cached or node.parent is None:  # the prefix ends above the holder's edge
+            node, k = holder_end(node, cached)
+            if node is None:
+                ends.append(-1)
+                continue
+            start = node.depth - len(node.edge)
+        k = cached - start
         key = node if k == len(node.edge) else (node, k)
         s = slot_of.get(key)
         if s is None:
-            s = slot_of[key] = len(nodes)
-            nodes.append(node)
+            s = slot_of[key] = len(ks)
+            kv_of.append(node.kv if key is node else node.kv[:, :, :, :k])
             ks.append(k)
+            end_pos.append(cached)
             parent.append(-1)
             child, up = s, node.parent
             while up.parent is not None:  # up to the first slot known already (or the root)
@@ -113,64 +122,41 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
                 if t is not None:
                     parent[child] = t
                     break
-                t = slot_of[up] = len(nodes)
-                nodes.append(up)
+                t = slot_of[up] = len(ks)
+                kv_of.append(up.kv)
                 ks.append(len(up.edge))
+                end_pos.append(up.depth)
                 parent.append(-1)
                 parent[child] = t
                 child, up = t, up.parent
         ends.append(s)
-    S = len(nodes)
-    ends_np = np.array(ends, dtype=np.int64)
+    S = len(ks)
     k_np = np.array(ks, dtype=np.int64)
-    parent_np = np.array(parent, dtype=np.int64)
 
-    # -- paths through each slot: the ends below it, children before parents (by end position)
-    shared_slots: list[int] = []
-    if S:
-        count = np.bincount(ends_np[ends_np >= 0], minlength=S).tolist()
-        end_pos = [n.depth - len(n.edge) + k for n, k in zip(nodes, ks)]
-        order = sorted(range(S), key=end_pos.__getitem__)  # root side first
-        for s in reversed(order):
-            if parent[s] >= 0:
-                count[parent[s]] += count[s]
-        shared_slots = [s for s in order if count[s] >= 2 and ks[s] >= min_shared_tokens]
-    shared = []
-    private_of = np.full(S + 1, -1, dtype=np.int64)  # slot -> index into kvs (last: no slot)
-    if shared_slots:
-        # each slot's shared ancestors (itself included), root side first; then their paths
-        above: list = [()] * S
-        is_shared = set(shared_slots)
-        for s in order:
-            up = above[parent[s]] if parent[s] >= 0 else ()
-            above[s] = up + (s,) if s in is_shared else up
-        users: dict[int, list[int]] = {s: [] for s in shared_slots}
-        for i, e in enumerate(ends):
-            if e >= 0:
-                for s in above[e]:
-                    users[s].append(i)
-        shared = [(_kv(nodes[s], ks[s]), users[s]) for s in shared_slots]
-        private_slots = [s for s in range(S) if s not in is_shared]
-    else:
-        private_slots = range(S)
-    private_slots = list(private_slots)
-    kvs = [_kv(nodes[s], ks[s]) for s in private_slots]
-    private_of[private_slots] = np.arange(len(kvs))
-    lengths = k_np[private_slots]
-
-    # -- each path's private chain, root side first: a pointer chase over all paths at once
-    parent_ext = np.append(parent_np, -1)  # (index -1: above the root)
-    cur = ends_np
+    # -- each path's slots, root side first: a pointer chase over all paths at once ----------
+    parent_ext = np.array(parent + [-1], dtype=np.int64)  # (index -1: above the root)
+    cur = np.array(ends, dtype=np.int64)
     levels = []
     while len(cur) and (cur >= 0).any():
-        levels.append(private_of[cur])
+        levels.append(cur)
         cur = parent_ext[cur]
-    if levels:
-        chains = np.stack(levels[::-1], axis=1)  # (a shared segment leaves a -1 hole)
+    slots = (np.stack(levels[::-1], axis=1) if levels  # -1 left of a shorter path's root
+             else np.full((len(paths), 0), -1, dtype=np.int64))
+
+    # -- shared: used by >= 2 paths and long enough; root side first (by end position) --------
+    count = np.bincount(slots[slots >= 0], minlength=S)
+    is_shared = (count >= 2) & (k_np >= min_shared_tokens)
+    shared = []
+    if is_shared.any():
+        shared_slots = np.flatnonzero(is_shared)
+        shared_slots = shared_slots[np.argsort(np.array(end_pos)[shared_slots], kind="stable")]
+        for s in shared_slots.tolist():
+            shared.append((kv_of[s], np.flatnonzero((slots == s).any(axis=1)).tolist()))
+        private_slots = np.flatnonzero(~is_shared).tolist()
     else:
-        chains = np.full((len(paths), 0), -1, dtype=np.int64)
-    return shared, PrivatePasts(kvs, lengths, chains)
-
-
-def _kv(node, k: int):
-    return node.kv if k == len(node.edge) else node.kv[:, :, :, :k]
+        private_slots = list(range(S))
+    kvs = [kv_of[s] for s in private_slots] if len(private_slots) < S else kv_of
+    private_of = np.full(S + 1, -1, dtype=np.int64)  # slot -> index into kvs (last: no slot)
+    private_of[private_slots] = np.arange(len(kvs))
+    chains = private_of[slots]  # (a shared segment leaves a -1 hole)
+    return shared, PrivatePasts(kvs, k_np[private_slots], chains)
