@@ -223,8 +223,11 @@ class AsyncLM(QueueHooks, Decoding):
                 caller fails); ValueError also when its adapter is removed while it waits.
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        adapter = self._lora_key(lora_name)
-        row = await self.front.ask(self.front.next_token(token_ids, adapter))
+        front = self.front
+        query = front.next_token(token_ids, self._lora_key(lora_name))
+        row = front.lookup(query)  # (Front.ask, without a coroutine of its own per query)
+        if row is None:
+            row = await front.submit(query)
         return row.clone()  # the one copy: cached rows are shared, never handed out
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:

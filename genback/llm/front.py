@@ -130,13 +130,25 @@ class Front:
             BatcherClosed: the model was closed or reset while the query waited.
             Exception: the error that fails this query (e.g. its adapter was removed).
         """
+        row = self.lookup(query)
+        return row if row is not None else await self._submit(query, query)
+
+    def lookup(self, query: Query):
+        """The first half of :meth:`ask`, for callers that await the second themselves (no
+        coroutine of its own per query): counts ``query`` and returns its cached row, or None
+        when it must be computed (then ``await front.submit(query)``).
+
+        Raises:
+            BatcherClosed: the model was closed.
+        """
         self.check_open()
         self.count(len(query.tokens))
-        if type(query) is NextToken:
-            row = self.cache.get(query)
-            if row is not None:
-                return row
-        return await self._submit(query, query)
+        return self.cache.get(query) if type(query) is NextToken else None
+
+    def submit(self, query: Query):
+        """The awaitable result of a counted ``query`` that :meth:`lookup` did not find (the
+        scheduler's future, or its coroutine for an engine that schedules itself)."""
+        return self._submit(query, query)
 
     def enqueue(self, query: Query):
         """:meth:`ask` as a future on the running loop (genlm-backend's ``add_query``)."""

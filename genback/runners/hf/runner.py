@@ -183,7 +183,12 @@ class HFRunner:
         rest planned together (:func:`.plan.plan_batch`) and executed level by level."""
         results: list = [None] * len(queries)
         fit = []
+        limit, score, logit = self.max_forward_bytes, self._score_bytes, self._logit_bytes
         for i, q in enumerate(queries):
+            L = len(q.tokens)
+            if L * L * score + q.n_outputs * logit <= limit:  # fits even with nothing cached
+                fit.append(i)  # (_pieces' first test, inline: most queries stop here)
+                continue
             try:
                 pieces = self._pieces(q)
             except ValueError as exc:  # fails alone; the others go on
