@@ -57,7 +57,7 @@ def test_validated_contexts_are_untracked_by_the_garbage_collector():
     from genback.llm.inputs import ContextChecker
 
     checker = ContextChecker(vocab_size=50_000)
-    prompt = [1000 + i for i in range(300)]  # ints the interpreter does not cache
+    prompt = [1000 + i for i in range(UNTRACK_MIN + 300)]  # ints the interpreter does not cache
     ids, _, parent = checker.check(list(prompt))  # the full check
     assert parent is None and not gc.is_tracked(ids) and ids == tuple(prompt)
     step, _, parent = checker.check(prompt + [7])  # an extension by one token

@@ -127,11 +127,7 @@ class KVTree:
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         node = None
         if parent is not None and len(parent) <= limit:
-            end = self._ends.get(id(parent)) or self._ends_before.get(id(parent))
-            if end is not None and end[0] is parent and end[2] == adapter:
-                node = end[1]
-                if node.kv is None or node.parent is None or node.depth != len(parent):
-                    node = None  # evicted or merged away since: walk from the root
+            node = self.noted(parent, adapter)
         want, segments = segments, []
         if node is not None:
             pos = node.depth
@@ -158,6 +154,17 @@ class KVTree:
         if touch:
             self._touch(node)
         return (segments if want else None), pos, node
+
+    def noted(self, tokens: tuple, adapter=None) -> _Node | None:
+        """The node where the KV of ``tokens`` (this very tuple, under ``adapter``) ends, if a
+        recent :meth:`note_end` said so and that node still ends there; else None. O(1)."""
+        end = self._ends.get(id(tokens)) or self._ends_before.get(id(tokens))
+        if end is None or end[0] is not tokens or end[2] != adapter:
+            return None
+        node = end[1]
+        if node.kv is None or node.parent is None or node.depth != len(tokens):
+            return None  # evicted or merged away since
+        return node
 
     def note_end(self, tokens: tuple, node: _Node, adapter=None) -> None:
         """Remember that the KV of ``tokens`` (this very tuple) ends exactly at ``node``, for a

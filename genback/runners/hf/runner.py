@@ -207,9 +207,21 @@ class HFRunner:
 
     def _matcher(self, adapter):
         tree = self.tree
-        # (no touch: _execute touches the union of a level's paths once, KVTree.touch_all)
-        return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent,
-                                           touch=False, segments=False)
+        noted = tree.noted
+
+        def match(q, limit):
+            # an SMC or decoding step: the query's parent (its context minus the last token) is
+            # the very tuple a recent forward noted, and its prefix may reach no further: O(1)
+            parent = q.parent
+            if parent is not None and len(parent) == limit:
+                node = noted(parent, adapter)
+                if node is not None:
+                    return None, limit, node
+            # (no touch: _execute touches the union of a level's paths once, KVTree.touch_all)
+            return tree.match(q.tokens, limit, adapter=adapter, parent=parent, touch=False,
+                              segments=False)
+
+        return match
 
     def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
         """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
