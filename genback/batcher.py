@@ -5,9 +5,17 @@ the batch is dispatched when
 
 * the *window* (seconds, measured from the first pending query and never reset by later ones)
   has expired, or
-* the batch is full: ``max_batch_size`` queries,
+* the batch is full: ``max_batch_size`` queries, or
+* the *cohort* is in: the event loop has run every callback that was ready when a query joined
+  (each caller that could query by then has), and the batch has at least as many callers as
+  the larger of that loop's last two batches had. Callers that step in lockstep (SMC particles,
+  a decoding loop, a ``gather`` per step) come back as many as their last batch had, so their
+  batch goes at once instead of idling for the rest of the window (2 ms per step by default:
+  13 % of a 15 ms GPU forward). A batch with fewer callers waits for its window as before.
+  (Callers, not distinct queries: resampled particles repeat contexts, and the number of
+  distinct ones varies from step to step.)
 
-and, in both cases, only once the previous batch of that loop has finished: while the worker
+and, in all cases, only once the previous batch of that loop has finished: while the worker
 computes, new queries keep joining the next batch (so batches grow under load instead of queueing).
 
 The computation runs on one worker thread, so the event loop keeps serving while the model runs.
@@ -65,6 +73,14 @@ class _LoopState:
         self.timer: asyncio.TimerHandle | None = None
         self.window_expired = False
         self.busy = False
+        self.callers = 0  # callers of the pending batch (a query asked twice counts twice)
+        self.sizes = (0, 0)  # callers of the last two batches dispatched (0: none yet)
+        self.check_queued = False  # a _check_cohort is queued on the loop
+
+    def cohort_in(self) -> bool:
+        """Whether the pending batch has as many callers as the larger of the last two had."""
+        target = max(self.sizes)
+        return target > 0 and self.callers >= target
 
 
 class Batcher:
@@ -134,6 +150,7 @@ class Batcher:
         state = last[1] if last is not None and last[0] is loop else self._state(loop)
         future = loop.create_future()
         with self._lock:
+            state.callers += 1
             entry = state.pending.get(key)
             if entry is not None and entry.live():
                 entry.futures.append(future)
@@ -145,8 +162,13 @@ class Batcher:
                 # a replaced entry had only cancelled callers
                 state.pending[key] = _Entry(key, query, future)
             ready = state.window_expired or len(state.pending) >= self.max_batch_size
-        if ready:  # (otherwise the window's timer or the running batch's end dispatches it)
+            check = not ready and not state.check_queued and state.sizes[1] > 0
+            if check:
+                state.check_queued = True
+        if ready:  # (otherwise the window's timer, the cohort check or the running batch's end)
             self._maybe_dispatch(state)
+        elif check:  # runs once every callback ready now has run (each caller that could query)
+            loop.call_soon(self._check_cohort, state)
         return future
 
     def reset(self, exc: BaseException | None = None) -> int:
@@ -162,6 +184,7 @@ class Batcher:
             for state in states:
                 entries = list(state.pending.values())
                 state.pending.clear()
+                state.callers = 0
                 # a timer left running only dispatches an (empty or newer) batch early
                 taken.append((state, [f for e in entries for f in e.futures]))
         for state, futures in taken:
@@ -207,6 +230,14 @@ class Batcher:
             self._last = (loop, state)
             return state
 
+    def _check_cohort(self, state: _LoopState) -> None:
+        with self._lock:
+            state.check_queued = False
+            if not state.cohort_in():
+                return  # (a later query queues another check; the window still runs)
+            state.window_expired = True  # (its wait is over: dispatch now, or when not busy)
+        self._maybe_dispatch(state)
+
     def _on_window(self, state: _LoopState) -> None:
         with self._lock:
             state.timer = None
@@ -223,6 +254,9 @@ class Batcher:
             if not batch:
                 return
             state.busy = True
+            callers = sum(len(e.futures) for e in batch)
+            state.callers = max(0, state.callers - callers) if state.pending else 0
+            state.sizes = (state.sizes[1], callers)
         self.batches += 1
         self.queries += len(batch)
         queries = [e.query for e in batch]
@@ -277,6 +311,8 @@ class Batcher:
     def _release(self, state: _LoopState) -> None:
         with self._lock:
             state.busy = False
+            if state.cohort_in():  # the callers just answered are back with their next queries
+                state.window_expired = True
         self._maybe_dispatch(state)
 
 

@@ -87,6 +87,87 @@ async def test_window_is_measured_from_the_first_query(tiny_hf, gpt2_tok):
         await lm.aclose()
 
 
+LONG = 600.0  # a window no test waits for: a batch that goes before it went by another rule
+
+
+async def _dispatched(lm, turns: int = 20) -> bool:
+    """Whether the loop's pending batch went within ``turns`` loop turns (no waiting)."""
+    loop = asyncio.get_running_loop()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+        if not lm.scheduler.pending(loop):
+            return True
+    return False
+
+
+async def _cohort_of(lm, n: int) -> list[list[int]]:
+    """One gather of ``n`` distinct contexts under a short window (the loop's first batch),
+    then a window no test waits for. Returns the contexts."""
+    contexts = [[300 + i, 7] for i in range(n)]
+    await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+    lm.batch_window = LONG
+    return contexts
+
+
+async def test_a_lockstep_cohort_goes_without_waiting_for_its_window(tiny_hf, gpt2_tok):
+    """Once a loop's batch had 8 callers, each later gather of 8 goes as soon as the loop has
+    run them all (one batch each, never waiting for the window), with resampling duplicates
+    (callers count, not distinct contexts) and with half of the callers a loop turn late."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    try:
+        particles = await _cohort_of(lm, 8)
+        for step in range(6):
+            particles = [p + [10 + step] for p in particles]
+            if step % 2:  # resampled: four distinct contexts, each asked twice
+                particles = [particles[i // 2] for i in range(8)]
+            batches = lm.cache_info()["batches"]
+
+            async def ask(i, c):
+                if step >= 4 and i % 2:
+                    await asyncio.sleep(0)  # a loop turn late
+                return await lm.next_token_logprobs(c)
+
+            tasks = [asyncio.ensure_future(ask(i, c)) for i, c in enumerate(particles)]
+            assert await _dispatched(lm), step  # (the window would keep it pending for minutes)
+            await asyncio.gather(*tasks)
+            assert lm.cache_info()["batches"] == batches + 1, step
+    finally:
+        await lm.aclose()
+
+
+async def test_a_sequential_caller_does_not_wait_for_the_window(tiny_hf, gpt2_tok):
+    """A decoding loop (one query at a time) is its own cohort: each query goes at once."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    try:
+        ctx = (await _cohort_of(lm, 1))[0]
+        for t in range(5):
+            ctx = ctx + [20 + t]
+            task = asyncio.ensure_future(lm.next_token_logprobs(ctx))
+            assert await _dispatched(lm), t
+            await task
+        assert lm.cache_info()["batches"] == 1 + 5
+    finally:
+        await lm.aclose()
+
+
+async def test_fewer_callers_than_the_cohort_wait_for_the_window(tiny_hf, gpt2_tok):
+    """After a batch of 8 callers, 4 callers are not a complete cohort: their batch stays
+    pending (the window runs) until something dispatches it; then it is one batch."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    loop = asyncio.get_running_loop()
+    try:
+        contexts = await _cohort_of(lm, 8)
+        batches = lm.cache_info()["batches"]
+        tasks = [asyncio.ensure_future(lm.next_token_logprobs(c + [5])) for c in contexts[:4]]
+        assert not await _dispatched(lm)  # many loop turns: the cohort check ran and declined
+        assert len(lm.scheduler.pending(loop)) == 4 and not any(t.done() for t in tasks)
+        lm.scheduler.flush(loop)
+        await asyncio.gather(*tasks)
+        assert lm.cache_info()["batches"] == batches + 1
+    finally:
+        await lm.aclose()
+
+
 async def test_loop_keeps_serving_while_the_model_computes(tiny_hf, gpt2_tok):
     """While a forward is in progress, coroutines on the loop keep running: the forward is held
     until a coroutine on the loop has seen it start (a forward on the loop thread would never

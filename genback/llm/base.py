@@ -37,7 +37,9 @@ class AsyncLM(QueueHooks, Decoding):
         vocab_size: the logit width ``V`` (rows have ``V`` entries; ``byte_vocab`` is padded to it).
         batch_size: most distinct queries per batch (>= 1); settable later (``lm.batch_size = n``).
             How many of them share one forward is the runner's decision (by work and memory).
-        batch_window: seconds a batch waits for more queries, from its first query (finite, >= 0).
+        batch_window: seconds a batch waits for more queries, from its first query (finite, >= 0);
+            a batch with as many callers as the loop's last batches goes at once
+            (:mod:`genback.batcher`).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
         max_context_length: most tokens a context may have (None: no limit).
         eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
