@@ -79,6 +79,9 @@ def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.devic
     score outputs, one for all next-token rows.
     """
     dev = logits.device
+    if len(queries) == len(logits) and set(map(type, queries)) == {NextToken}:
+        # every query a next-token row, one position each (an SMC or decoding step): all rows
+        return list(torch.log_softmax(logits.float(), dim=-1).to(row_device).unbind(0))
     rows_at, steps_at, steps, tgt_at, targets = [], [], [], [], []
     k = 0
     greedy = False
