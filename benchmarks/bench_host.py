@@ -33,16 +33,17 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
 
 - ``wall/q``; ``fwd/q`` (forward wall time);
 - ``host/q`` = (wall - forward wall) / queries: everything that is not the model's forward, including
-  time the batcher waits for its window (``batch_window``, 2 ms by default) and time taken by other
-  processes on a shared core;
+  time the batcher waits for its window (``batch_window``, 2 ms by default; a step whose callers
+  are all back goes without it: the batcher's cohort rule) and time taken by other processes on a
+  shared core;
 - ``caller/q``: CPU time of the event-loop thread (query submission, output cache, futures, asyncio);
 - ``worker/q``: CPU time of the worker thread(s) outside the model's forward (worker CPU minus forward
   CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
 - ``gc/q``: wall time of Python's cyclic garbage collections during the step, whichever thread ran
   them (``gc.callbacks``); part of ``caller/q`` / ``worker/q``. genback freezes the heap of the
   loaded libraries at the first model (:mod:`genback.heap`), so collections no longer walk torch
-  and transformers, and it untracks every validated context tuple (:func:`genback.heap.untrack_ids`),
-  so no collection walks those either;
+  and transformers, and it untracks every validated context tuple of at least 1,024 tokens
+  (:func:`genback.heap.untrack_ids`), so no collection walks those either;
 - ``ctx-gc/q``: the caller's own cost of holding its contexts as lists, *not* part of ``host/q``.
   A list is never untracked, so every collection of its generation walks it item by item: 256 new
   16,000-token lists per step are ~4 million items. The trace collects them (``gc.collect(1)``,
@@ -51,8 +52,9 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   and their cost lands in ``gc/q`` (``--caller-gc-inside``);
 - ``other/q``: process CPU minus caller and worker CPU (other threads; ~0 expected);
 - ``idle/q`` = host/q - caller/q - worker/q - other/q: wall time in which no thread of this process
-  ran outside the forward: the batcher's window (about 2 ms per batch: ~125 µs/q at 16 particles),
-  and waiting for the core while other processes run on it (a shared machine);
+  ran outside the forward: the batcher's window when a batch waits for it (2 ms per batch was
+  ~125 µs/q at 16 particles before the cohort rule), thread hand-offs, and waiting for the core
+  while other processes run on it (a shared machine);
 - ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
   ``err``: max abs difference between the last step's rows of two particles and an uncached fp32
   forward of their contexts.

@@ -79,9 +79,9 @@ class ContextChecker:
             the memory holds references to tuples that the output cache and queries mostly hold
             anyway.
 
-    Every validated tuple is untracked by the cyclic garbage collector
-    (:func:`genback.heap.untrack_ids`): it holds exact ints only, and long contexts would otherwise
-    be walked by the next collection.
+    Every validated tuple of at least :data:`genback.heap.UNTRACK_MIN` tokens is untracked by the
+    cyclic garbage collector (:func:`genback.heap.untrack_ids`): it holds exact ints only, and a
+    long context would otherwise be walked by the next collection.
 
     Thread-safe for its purpose: a lost update under concurrent use only costs a full check.
     """
