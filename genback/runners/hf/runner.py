@@ -183,12 +183,7 @@ class HFRunner:
         rest planned together (:func:`.plan.plan_batch`) and executed level by level."""
         results: list = [None] * len(queries)
         fit = []
-        limit, score, logit = self.max_forward_bytes, self._score_bytes, self._logit_bytes
         for i, q in enumerate(queries):
-            L = len(q.tokens)
-            if L * L * score + q.n_outputs * logit <= limit:  # fits even with nothing cached
-                fit.append(i)  # (_pieces' first test, inline: most queries stop here)
-                continue
             try:
                 pieces = self._pieces(q)
             except ValueError as exc:  # fails alone; the others go on
@@ -207,21 +202,9 @@ class HFRunner:
 
     def _matcher(self, adapter):
         tree = self.tree
-        noted = tree.noted
-
-        def match(q, limit):
-            # an SMC or decoding step: the query's parent (its context minus the last token) is
-            # the very tuple a recent forward noted, and its prefix may reach no further: O(1)
-            parent = q.parent
-            if parent is not None and len(parent) == limit:
-                node = noted(parent, adapter)
-                if node is not None:
-                    return None, limit, node
-            # (no touch: _execute touches the union of a level's paths once, KVTree.touch_all)
-            return tree.match(q.tokens, limit, adapter=adapter, parent=parent, touch=False,
-                              segments=False)
-
-        return match
+        # (no touch: _execute touches the union of a level's paths once, KVTree.touch_all)
+        return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent,
+                                           touch=False, segments=False)
 
     def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
         """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``

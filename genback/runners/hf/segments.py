@@ -96,18 +96,11 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
     kv_of, ks, end_pos, parent = [], [], [], []
     ends = []
     for p in paths:
-        node, cached = p.holder, p.cached
-        if node is None or cached <= 0:
+        cached = p.cached
+        node, k = holder_end(p.holder, cached)
+        if node is None:
             ends.append(-1)
             continue
-        start = node.depth - len(node.edge)
-        if start >= cached or node.parent is None:  # the prefix ends above the holder's edge
-            node, k = holder_end(node, cached)
-            if node is None:
-                ends.append(-1)
-                continue
-            start = node.depth - len(node.edge)
-        k = cached - start
         key = node if k == len(node.edge) else (node, k)
         s = slot_of.get(key)
         if s is None:
