@@ -19,7 +19,8 @@ Methods, on one model in one process:
 
 * ``genback``: a fresh ``AsyncTransformer``; ``cache_kv(prompt)``, then each step
   ``asyncio.gather(next_token_logprobs(c) for c in contexts)``, as an SMC client does. Rows come
-  back as float32 CPU tensors (genback's current API): that copy is in the time.
+  back as float32 tensors on the model's device (genback's default ``row_device``), as the loop's
+  stay there; each step's time ends with a device synchronisation, for both methods.
 * ``loop``: plain transformers. Prefill the prompt into a ``DynamicCache`` (batch 1); each step
   forward only the distinct (parent row, token) pairs, one token each, over per-particle KV
   gathered from the parents with ``cache.reorder_cache`` (``index_select`` on the batch dim), and
@@ -109,7 +110,8 @@ def contexts_at(prompt: list[int], trace, upto: int) -> list[list[int]]:
 
 
 def run_genback(model, tokenizer, prompt, trace, device, batch_window) -> dict:
-    """Time the steps through ``AsyncTransformer``; rows of the last step: float32 CPU ``[N, V]``."""
+    """Time the steps through ``AsyncTransformer``; rows of the last step (copied to the host after
+    the timing): float32 CPU ``[N, V]``."""
     from genback.llm import AsyncTransformer
 
     G.reset_peak(device)
@@ -127,8 +129,9 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window) -> dict:
             parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]  # untimed
             t = time.perf_counter()
             got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            G._sync(device)   # rows are on the device: their kernels are part of the step
             times.append(time.perf_counter() - t)
-        rows = torch.stack(got)
+        rows = torch.stack(got).cpu()
 
     try:
         asyncio.run(steps())
