@@ -68,6 +68,20 @@ class TreeBatch:
     kernel: str = "flash"
     out: torch.Tensor | None = None
     bytes_read: int = field(default=0)  # KV bytes attention read (all layers), for statistics
+    _bias: torch.Tensor | None = field(default=None, repr=False)
+
+    def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` as an additive bias for grouped queries, built once per forward (every layer
+        shares it): ``[R, 1, groups * m, P + m]`` of ``dtype``, 0 where a query attends and
+        ``-inf`` where it does not. Its rows are padded to a multiple of 16 columns (the
+        alignment CUDA's fused attention asks of a bias), the padding sliced off."""
+        if self._bias is None:
+            R, _, m, L = self.mask.shape
+            width = -(-L // 16) * 16
+            full = torch.zeros((R, 1, groups, m, width), dtype=dtype, device=self.mask.device)
+            full[..., :L].masked_fill_(~self.mask.unsqueeze(2), float("-inf"))
+            self._bias = full.view(R, 1, groups * m, width)[..., :L]
+        return self._bias
 
     def keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Layer ``layer``'s keys and values of every row, private past then new tokens, each
@@ -111,24 +125,36 @@ def _attend(q, k, v, scale: float, kernel: str):
     return out, lse
 
 
-def _attend_masked(q, k, v, mask, scale: float):
-    """Masked attention with its log-sum-exp (materialised scores).
+def _attend_masked(q, k, v, bias, scale: float, kernel: str):
+    """Masked attention with its log-sum-exp.
 
-    q: [R, H, N, D], k/v: [R, H, L, D], mask: bool broadcastable to [R, H, N, L] ->
-    (out [R, H, N, D], lse float32 [R, H, N]).
+    q: [R, H, N, D], k/v: [R, H, L, D], bias: additive, of q's dtype, broadcastable to
+    [R, H, N, L] (0 = attend, -inf = masked; every query attends to at least one key) ->
+    (out [R, H, N, D], lse float32 [R, H, N]). ``kernel`` ``"flash"``: one fused op on CPU and
+    CUDA (the same ops as :func:`_attend`, with the bias); ``"math"``: scores materialised.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if kernel == "flash" and q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse.float()
+    if kernel == "flash" and q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias.expand(q.shape[0], q.shape[1], -1, -1), True, 0.0, False,
+            scale=scale)[:2]
+        return out, lse[..., : q.shape[2]].float()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
     return out, lse
 
 
 def _merge(out, lse, out_s, lse_s):
-    """Merge two partial attentions by log-sum-exp; all float32, lse [..., N], out [..., N, D]."""
+    """Merge two partial attentions by log-sum-exp; all float32, lse [..., N], out [..., N, D].
+
+    ``out * a + out_s * (1 - a)`` with ``a = exp(lse - logaddexp(lse, lse_s))``, as one
+    ``lerp`` (four kernels in all)."""
     total = torch.logaddexp(lse, lse_s)
-    return (out * torch.exp(lse - total)[..., None]
-            + out_s * torch.exp(lse_s - total)[..., None]), total
+    return torch.lerp(out_s, out, torch.exp(lse - total)[..., None]), total
 
 
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -162,9 +188,8 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
             out = F.scaled_dot_product_attention(query, k, v, attn_mask=batch.mask, scale=scale,
                                                  enable_gqa=G > 1)
         return out.transpose(1, 2).contiguous(), None
-    # mask [R, 1, m, P+m] -> per grouped query [R, 1, G*m, P+m]
-    mask = batch.mask.expand(R, 1, m, k.shape[2]).unsqueeze(2).expand(R, 1, G, m, k.shape[2])
-    out, lse = _attend_masked(qg, k, v, mask.reshape(R, 1, G * m, k.shape[2]), scale)
+    # mask [R, 1, m, P+m] -> additive bias per grouped query [R, 1, G*m, P+m]
+    out, lse = _attend_masked(qg, k, v, batch.bias(G, query.dtype), scale, batch.kernel)
     out = out.float()
 
     # 2. shared segments: every row below a segment attends to it in one product
