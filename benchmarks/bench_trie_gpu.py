@@ -10,6 +10,8 @@ for B = 1), for:
 
 * ``genback-f64`` / ``genback-f32``: ``ParallelTokenCharacterTrie(device, dtype)``, results left
   on the device (the caller decides when to copy);
+* ``genback-f64-eager`` (CUDA only): ``cuda_graphs=False``, the level loop's kernels launched
+  one by one instead of replayed as CUDA graphs;
 * ``genback-f64-host``: the same with ``as_numpy=True`` (results copied to the host, as
   genlm-backend always does);
 * ``genlm``: genlm-backend 0.3.1's ``ParallelTokenCharacterTrie(device)`` (float32 sparse CSR
@@ -130,6 +132,8 @@ def bench_vocab(name, vocab, device, batches, repeat, use_genlm) -> dict:
     impls["genback-f64"] = ParallelTokenCharacterTrie(vocab, device=device)
     res["build_s_genback"] = time.perf_counter() - t0
     impls["genback-f32"] = ParallelTokenCharacterTrie(vocab, device=device, dtype=torch.float32)
+    if device.type == "cuda":
+        impls["genback-f64-eager"] = ParallelTokenCharacterTrie(vocab, device=device, cuda_graphs=False)
     gmap = None
     if use_genlm:
         from genlm.backend.tokenization import Token as GToken

@@ -127,7 +127,7 @@ def test_cached_paths_fp32_match_uncached(tiny_hf, gpt2_tok, device, option):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_scoring_and_device_sampler_fp32(tiny_hf, gpt2_tok, device, no_tf32):
+def test_scoring_and_device_sampler_fp32(tiny_hf, gpt2_tok, device):
     lm = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok)
     ctx = list(range(500, 560))
     try:
@@ -251,6 +251,37 @@ def test_trie_uses_device_rows_without_a_host_copy(gpt2_vocab, device, monkeypat
     torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
     assert torch.equal(trie.batch_weight_max(W.float()), expected_max)   # float32 row: cast on the device
     torch.testing.assert_close(trie.weight_sum(W[1]), expected[1], rtol=1e-13, atol=0)
+
+
+@CUDA
+def test_trie_cuda_graphs_equal_kernels_one_by_one(gpt2_vocab):
+    """Replayed CUDA graphs give the eager kernels' values for every reduction and batch bucket,
+    with fresh inputs each call (the static buffers keep no earlier row) and batches over
+    ``max_chunk``."""
+    graphed = ParallelTokenCharacterTrie(gpt2_vocab, device="cuda", max_chunk=8)
+    eager = ParallelTokenCharacterTrie(gpt2_vocab, device="cuda", max_chunk=8, cuda_graphs=False)
+    assert graphed._graphs is not None and eager._graphs is None
+    rng = np.random.default_rng(1)
+    for B in (1, 3, 8, 5, 19, 1):
+        P = torch.tensor(rng.dirichlet(np.full(len(gpt2_vocab), 0.3), size=B), device="cuda")
+        L = torch.log(P)
+        L[0, :50] = -torch.inf
+        torch.testing.assert_close(graphed.batch_weight_sum(P), eager.batch_weight_sum(P),
+                                   rtol=1e-13, atol=0)
+        assert torch.equal(graphed.batch_weight_max(L), eager.batch_weight_max(L))
+        torch.testing.assert_close(graphed.batch_weight_logsumexp(L),
+                                   eager.batch_weight_logsumexp(L), rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(graphed.weight_sum(P[-1]), eager.weight_sum(P[-1]),
+                                   rtol=1e-13, atol=0)
+    # buckets: 1; 3 -> 4; 8; 5 -> 8; 19 = 8 + 8 + 3 -> 8, 4
+    assert {b for _, b in graphed._graphs.graphs} == {1, 4, 8}
+    assert len({op for op, _ in graphed._graphs.graphs}) == 3
+
+
+def test_trie_cuda_graphs_must_be_a_bool(gpt2_vocab):
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
+        ParallelTokenCharacterTrie(gpt2_vocab, device="cpu", cuda_graphs="yes")
+    assert ParallelTokenCharacterTrie(gpt2_vocab, device="cpu")._graphs is None  # CUDA only
 
 
 @pytest.mark.parametrize("device", DEVICES)

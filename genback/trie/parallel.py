@@ -7,6 +7,12 @@ copied to the device. A call runs the plan level by level with ``index_add_`` (s
 ``(B, num_nodes)`` result, never O(batch × (token, ancestor) pairs); batches larger than
 ``max_chunk`` rows run in chunks.
 
+On CUDA the per-level loop is launch-bound (a few kernels per level, ~50 levels, about 8 ms a
+call on an H100 whatever the batch), so by default each (reduction, batch bucket) is captured
+once as a CUDA graph and replayed (one launch; buckets are powers of two up to ``max_chunk``;
+see :class:`_Graphs`). Sums on CUDA are equal to rounding, not bit for bit, between calls:
+``index_add_`` adds in no fixed order.
+
 dtype: float64 by default on every device, so results match the CPU trie to rounding (sums of
 small probabilities keep their relative precision). ``dtype=torch.float32`` halves memory traffic
 on a GPU; sums then carry float32 rounding (relative error ~1e-7 per addition) and probabilities
@@ -15,6 +21,9 @@ below ~1e-38 underflow, so use ``weight_logsumexp`` on log weights for rare pref
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import numpy as np
 import torch
 
@@ -22,6 +31,60 @@ from .base import TokenCharacterTrie
 from .weights import check_weight_dtype
 
 __all__ = ["ParallelTokenCharacterTrie"]
+
+
+class _Graphs:
+    """CUDA graphs of one trie's reductions (PyTorch's ``torch.cuda.CUDAGraph``; the technique
+    is NVIDIA's CUDA graphs, used for the same reason by vLLM's and gpt-fast's decode steps).
+
+    One graph per (reduction, bucket), ``bucket`` = the chunk's row count rounded up to a power
+    of two (at most ``max_chunk``), captured on first use into one memory pool shared by all of
+    the trie's graphs; per bucket a static input ``(bucket, V)`` and work tensor ``(U, bucket)``,
+    shared by the reductions. Replays run one at a time (``lock``): the caller reads the work
+    tensor before the next replay.
+    """
+
+    def __init__(self, trie: "ParallelTokenCharacterTrie"):
+        self.trie = trie
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.lock = threading.Lock()
+
+    def run(self, Wc: torch.Tensor, op: str) -> torch.Tensor:
+        """Segment values ``(U, b)`` of the chunk ``Wc`` ``(b, V)``: a view of the bucket's work
+        tensor, valid until the next replay (hold ``lock``)."""
+        t, b = self.trie, Wc.shape[0]
+        size = min(1 << (b - 1).bit_length(), t.max_chunk)
+        if size not in self.buffers:
+            self.buffers[size] = (
+                torch.zeros((size, t.num_tokens), dtype=t.dtype, device=t.device),
+                torch.empty((t._plan.num_segments, size), dtype=t.dtype, device=t.device))
+        inp, vals = self.buffers[size]
+        inp[:b].copy_(Wc)
+        graph = self.graphs.get((op, size))
+        if graph is None:
+            graph = self.graphs[(op, size)] = self._capture(op, inp, vals)
+        graph.replay()
+        return vals[:, :b]
+
+    def _capture(self, op: str, inp: torch.Tensor, vals: torch.Tensor) -> torch.cuda.CUDAGraph:
+        t = self.trie
+
+        def body():
+            vals[: t.num_tokens] = inp[:, t._t_order].T
+            t._levels(vals, op)
+
+        with torch.cuda.device(t.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up run outside the capture, as CUDA asks
+                body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                body()
+        return graph
 
 
 def _resolve_device(device) -> torch.device:
@@ -45,9 +108,13 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             available, else CPU).
         dtype: ``torch.float64`` (default) or ``torch.float32`` (see the module docstring).
         max_chunk: most batch rows reduced at once (bounds the ``(U, chunk)`` work tensor).
+        cuda_graphs: on a CUDA device, replay each reduction as a captured CUDA graph (default
+            True; see the module docstring). Ignored on other devices. A capture that fails
+            warns once and the trie runs its kernels one by one from then on.
 
     Raises:
         ValueError: invalid device, CUDA requested but unavailable, bad dtype or ``max_chunk``.
+        TypeError: ``cuda_graphs`` not a bool.
 
     The reduction methods take ``ws`` ``(V,)`` / ``W`` ``(B, V)`` as numpy arrays, torch tensors
     on any device (moved to ``device``) or lists, and return torch tensors on ``device`` of
@@ -55,7 +122,10 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
     numpy arrays. Same dtype rules and errors as ``TokenCharacterTrie``.
     """
 
-    def __init__(self, decode, device=None, dtype: torch.dtype = torch.float64, max_chunk: int = 64):
+    def __init__(self, decode, device=None, dtype: torch.dtype = torch.float64, max_chunk: int = 64,
+                 cuda_graphs: bool = True):
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"ParallelTokenCharacterTrie: cuda_graphs must be a bool, got {cuda_graphs!r}")
         super().__init__(decode)
         self.device = _resolve_device(device)
         if dtype not in (torch.float64, torch.float32):
@@ -72,6 +142,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         self._t_node_segment = t(p.node_segment)
         self._t_levels = [(t(pa), t(ch), t(np.repeat(np.arange(len(pa)), cnt)), len(pa))
                           for pa, ch, _, cnt in p.levels]
+        self._graphs = _Graphs(self) if cuda_graphs and self.device.type == "cuda" else None
 
     def _as_device_matrix(self, x, name: str, batched: bool) -> torch.Tensor:
         V = self.num_tokens
@@ -97,27 +168,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         out = torch.empty((B, N), dtype=self.dtype, device=self.device)
         if self.num_tokens == 0:
             return out.fill_(0.0 if op == "sum" else -float("inf"))
-        U = self._plan.num_segments
         for lo in range(0, B, self.max_chunk):
             Wc = W[lo : lo + self.max_chunk]
-            vals = torch.empty((U, Wc.shape[0]), dtype=self.dtype, device=self.device)
-            vals[: self.num_tokens] = Wc[:, self._t_order].T
-            for parents, children, group, P in self._t_levels:
-                cv = vals[children]
-                if op == "sum":
-                    acc = torch.zeros((P, cv.shape[1]), dtype=self.dtype, device=self.device)
-                    acc.index_add_(0, group, cv)
-                elif op == "max":
-                    acc = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
-                    acc.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
-                else:
-                    m = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
-                    m.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
-                    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                    acc = torch.zeros_like(m).index_add_(0, group, torch.exp(cv - m[group]))
-                    acc = m + torch.log(acc)
-                vals[parents] = acc
-            out[lo : lo + Wc.shape[0]] = vals[self._t_node_segment].T
+            out[lo : lo + Wc.shape[0]] = self._reduce(Wc, op)
         if torch.isnan(out[:, 0]).any():
             bad = torch.isnan(W).nonzero()
             if len(bad):
@@ -125,6 +178,40 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
                 where = f"[{c}]" if name == "ws" else f"[{r}, {c}]"
                 raise ValueError(f"{type(self).__name__}: {name}{where} is NaN ({len(bad)} NaN weights)")
         return out
+
+    def _reduce(self, Wc: torch.Tensor, op: str) -> torch.Tensor:
+        """Node values ``(b, num_nodes)`` of the chunk ``Wc`` ``(b, V)``."""
+        graphs = self._graphs
+        if graphs is not None:
+            with graphs.lock:
+                try:
+                    return graphs.run(Wc, op)[self._t_node_segment].T
+                except RuntimeError as e:  # capture refused: run the kernels one by one
+                    self._graphs = None
+                    warnings.warn(f"{type(self).__name__}: CUDA graph capture failed ({e}); "
+                                  "running without CUDA graphs", RuntimeWarning, stacklevel=4)
+        vals = torch.empty((self._plan.num_segments, Wc.shape[0]), dtype=self.dtype, device=self.device)
+        vals[: self.num_tokens] = Wc[:, self._t_order].T
+        self._levels(vals, op)
+        return vals[self._t_node_segment].T
+
+    def _levels(self, vals: torch.Tensor, op: str) -> None:
+        """Fill the inner segments of ``vals`` ``(U, b)`` from its leaf rows, level by level."""
+        for parents, children, group, P in self._t_levels:
+            cv = vals[children]
+            if op == "sum":
+                acc = torch.zeros((P, cv.shape[1]), dtype=self.dtype, device=self.device)
+                acc.index_add_(0, group, cv)
+            elif op == "max":
+                acc = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
+                acc.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
+            else:
+                m = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
+                m.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                acc = torch.zeros_like(m).index_add_(0, group, torch.exp(cv - m[group]))
+                acc = m + torch.log(acc)
+            vals[parents] = acc
 
     def _finish(self, out: torch.Tensor, as_numpy: bool):
         return out.detach().cpu().to(torch.float64).numpy() if as_numpy else out
