@@ -7,11 +7,14 @@ copied to the device. A call runs the plan level by level with ``index_add_`` (s
 ``(B, num_nodes)`` result, never O(batch × (token, ancestor) pairs); batches larger than
 ``max_chunk`` rows run in chunks.
 
-On CUDA the per-level loop is launch-bound (a few kernels per level, ~50 levels, about 8 ms a
-call on an H100 whatever the batch), so by default each (reduction, batch bucket) is captured
-once as a CUDA graph and replayed (one launch; buckets are powers of two up to ``max_chunk``;
-see :class:`_Graphs`). Sums on CUDA are equal to rounding, not bit for bit, between calls:
-``index_add_`` adds in no fixed order.
+Each level's children occupy one block of rows of the work tensor and are reduced into the rows
+after it, so a level of sums or maxes is one kernel (``__init__`` builds the layout). On CUDA
+the ~50 levels are still launch-bound (an H100 host spends ~5–9 µs per launch; the loop took
+~3 ms a call whatever the batch), so by default each (reduction, batch bucket) is captured once
+as a CUDA graph and replayed (buckets are powers of two up to ``max_chunk``; see
+:class:`_Graphs`); measured in ``benchmarks/RESULTS.md`` ("The token-character trie on the
+GPU"). Sums on CUDA are equal to rounding, not bit for bit, between calls: ``index_add_`` adds
+in no fixed order.
 
 dtype: float64 by default on every device, so results match the CPU trie to rounding (sums of
 small probabilities keep their relative precision). ``dtype=torch.float32`` halves memory traffic
@@ -72,7 +75,7 @@ class _Graphs:
         t = self.trie
 
         def body():
-            vals[: t.num_tokens] = inp[:, t._t_order].T
+            t._load(vals, inp, op)
             t._levels(vals, op)
 
         with torch.cuda.device(t.device):
@@ -138,10 +141,28 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         def t(a):
             return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long, device=self.device)
 
+        # Device layout of the (U, b) work tensor: each level's children take one block of rows,
+        # levels in order, the roots last. A parent is a child of a later level (or a root), so
+        # its row lies after its children's block: a level reduces the slice vals[lo:hi] into
+        # vals[hi:] in one kernel (index_add_ / scatter_reduce_), with no gather of the children
+        # and no store of the parents.
+        row = np.empty(p.num_segments, np.int64)
+        end, blocks = 0, []
+        for _, ch, _, _ in p.levels:
+            row[ch] = end + np.arange(len(ch))
+            blocks.append((end, end + len(ch)))
+            end += len(ch)
+        roots = np.ones(p.num_segments, bool)
+        for _, ch, _, _ in p.levels:
+            roots[ch] = False
+        row[roots] = end + np.arange(int(roots.sum()))
         self._t_order = t(p.order)
-        self._t_node_segment = t(p.node_segment)
-        self._t_levels = [(t(pa), t(ch), t(np.repeat(np.arange(len(pa)), cnt)), len(pa))
-                          for pa, ch, _, cnt in p.levels]
+        self._t_leaf_rows = t(row[: self.num_tokens])  # segment k < V is leaf-order word k
+        self._t_node_rows = t(row[p.node_segment])
+        self._t_levels = []
+        for (pa, _, _, cnt), (lo, hi) in zip(p.levels, blocks):
+            group = np.repeat(np.arange(len(pa)), cnt)  # each child's parent, 0..P-1
+            self._t_levels.append((lo, hi, t(row[pa][group] - hi), t(group), t(row[pa] - hi), len(pa)))
         self._graphs = _Graphs(self) if cuda_graphs and self.device.type == "cuda" else None
 
     def _as_device_matrix(self, x, name: str, batched: bool) -> torch.Tensor:
@@ -185,33 +206,37 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         if graphs is not None:
             with graphs.lock:
                 try:
-                    return graphs.run(Wc, op)[self._t_node_segment].T
+                    return graphs.run(Wc, op)[self._t_node_rows].T
                 except RuntimeError as e:  # capture refused: run the kernels one by one
                     self._graphs = None
                     warnings.warn(f"{type(self).__name__}: CUDA graph capture failed ({e}); "
                                   "running without CUDA graphs", RuntimeWarning, stacklevel=4)
         vals = torch.empty((self._plan.num_segments, Wc.shape[0]), dtype=self.dtype, device=self.device)
-        vals[: self.num_tokens] = Wc[:, self._t_order].T
+        self._load(vals, Wc, op)
         self._levels(vals, op)
-        return vals[self._t_node_segment].T
+        return vals[self._t_node_rows].T
+
+    def _load(self, vals: torch.Tensor, Wc: torch.Tensor, op: str) -> None:
+        """Put the leaf weights of ``Wc`` ``(b, V)`` in their rows of ``vals`` (first ``b``
+        columns); the inner rows start at the reduction's identity (0 for sums, -inf for maxes)."""
+        if op != "logsumexp":  # log-sum-exp writes its parents whole
+            vals.fill_(0.0 if op == "sum" else -float("inf"))
+        vals[self._t_leaf_rows, : Wc.shape[0]] = Wc[:, self._t_order].T
 
     def _levels(self, vals: torch.Tensor, op: str) -> None:
-        """Fill the inner segments of ``vals`` ``(U, b)`` from its leaf rows, level by level."""
-        for parents, children, group, P in self._t_levels:
-            cv = vals[children]
+        """Fill the inner rows of ``vals`` ``(U, b)`` from its leaf rows, level by level."""
+        for lo, hi, dest, group, parent_rows, P in self._t_levels:
+            cv, above = vals[lo:hi], vals[hi:]  # disjoint views: children, later rows
             if op == "sum":
-                acc = torch.zeros((P, cv.shape[1]), dtype=self.dtype, device=self.device)
-                acc.index_add_(0, group, cv)
+                above.index_add_(0, dest, cv)
             elif op == "max":
-                acc = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
-                acc.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
+                above.scatter_reduce_(0, dest[:, None].expand_as(cv), cv, "amax", include_self=True)
             else:
                 m = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
                 m.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
                 m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
                 acc = torch.zeros_like(m).index_add_(0, group, torch.exp(cv - m[group]))
-                acc = m + torch.log(acc)
-            vals[parents] = acc
+                above[parent_rows] = m + torch.log(acc)
 
     def _finish(self, out: torch.Tensor, as_numpy: bool):
         return out.detach().cpu().to(torch.float64).numpy() if as_numpy else out
