@@ -53,3 +53,27 @@ def test_masked_part_and_merge_equal_one_softmax(device, kernel, R, G, m, P):
     want, want_lse = _brute(q, k_all, v_all, bias_all, 0.25)
     torch.testing.assert_close(merged.double(), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(total.double(), want_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_masked_part_in_half_precision(device, dtype):
+    """bf16/fp16 models: the fused masked kernel takes a bias of the queries' dtype; its result
+    is within half-precision rounding of float64 brute force on the same (rounded) inputs."""
+    torch.manual_seed(7)
+    R, G, m, P, Hkv, D = 3, 2, 2, 6, 2, 16
+    mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
+    mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
+    mask[1, 0, :, :3] = False
+    bias = T.TreeBatch([], None, None, P, mask.to(device), torch.empty(0)).bias(G, dtype)
+    assert bias.dtype == dtype
+    q = torch.randn(R, Hkv, G * m, D, device=device).to(dtype)
+    k = torch.randn(R, Hkv, P + m, D, device=device).to(dtype)
+    v = torch.randn(R, Hkv, P + m, D, device=device).to(dtype)
+    want, want_lse = _brute(q, k, v, bias, 0.25)
+    for kernel in ("flash", "math"):
+        out, lse = T._attend_masked(q, k, v, bias, 0.25, kernel)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=3e-2)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=3e-2)
+
