@@ -113,7 +113,10 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         max_chunk: most batch rows reduced at once (bounds the ``(U, chunk)`` work tensor).
         cuda_graphs: on a CUDA device, replay each reduction as a captured CUDA graph (default
             True; see the module docstring). Ignored on other devices. A capture that fails
-            warns once and the trie runs its kernels one by one from then on.
+            warns once and the trie runs its kernels one by one from then on. Costs device
+            memory that stays allocated: per batch bucket used, a ``(bucket, V)`` input and a
+            ``(U, bucket)`` work tensor (about twice the largest bucket's in all; cl100k, float64,
+            ``max_chunk=64``: ~250 MB).
 
     Raises:
         ValueError: invalid device, CUDA requested but unavailable, bad dtype or ``max_chunk``.

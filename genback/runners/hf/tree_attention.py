@@ -68,20 +68,22 @@ class TreeBatch:
     kernel: str = "flash"
     out: torch.Tensor | None = None
     bytes_read: int = field(default=0)  # KV bytes attention read (all layers), for statistics
-    _bias: torch.Tensor | None = field(default=None, repr=False)
+    _bias: dict = field(default_factory=dict, repr=False)  # (groups, dtype) -> bias
 
     def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
         """``mask`` as an additive bias for grouped queries, built once per forward (every layer
         shares it): ``[R, 1, groups * m, P + m]`` of ``dtype``, 0 where a query attends and
         ``-inf`` where it does not. Its rows are padded to a multiple of 16 columns (the
-        alignment CUDA's fused attention asks of a bias), the padding sliced off."""
-        if self._bias is None:
+        alignment CUDA's fused attention asks of a bias), the padding sliced off. One per
+        ``(groups, dtype)``: layers with other head ratios get their own."""
+        bias = self._bias.get((groups, dtype))
+        if bias is None:
             R, _, m, L = self.mask.shape
             width = -(-L // 16) * 16
             full = torch.zeros((R, 1, groups, m, width), dtype=dtype, device=self.mask.device)
             full[..., :L].masked_fill_(~self.mask.unsqueeze(2), float("-inf"))
-            self._bias = full.view(R, 1, groups * m, width)[..., :L]
-        return self._bias
+            bias = self._bias[(groups, dtype)] = full.view(R, 1, groups * m, width)[..., :L]
+        return bias
 
     def keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Layer ``layer``'s keys and values of every row, private past then new tokens, each
