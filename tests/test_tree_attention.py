@@ -34,7 +34,7 @@ def test_masked_part_and_merge_equal_one_softmax(device, kernel, R, G, m, P):
     assert batch.bias(G, torch.float32) is bias  # built once per forward
     q = torch.randn(R, Hkv, G * m, D, device=device)
     k, v = torch.randn(R, Hkv, L, D, device=device), torch.randn(R, Hkv, L, D, device=device)
-    out, lse = T._attend_masked(q, k, v, bias, 0.25, kernel)
+    out, lse = T._attend(q, k, v, 0.25, kernel, bias)
     want, want_lse = _brute(q, k, v, bias, 0.25)
     assert out.shape == (R, Hkv, G * m, D) and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
@@ -72,7 +72,7 @@ def test_masked_part_in_half_precision(device, dtype):
     v = torch.randn(R, Hkv, P + m, D, device=device).to(dtype)
     want, want_lse = _brute(q, k, v, bias, 0.25)
     for kernel in ("flash", "math"):
-        out, lse = T._attend_masked(q, k, v, bias, 0.25, kernel)
+        out, lse = T._attend(q, k, v, 0.25, kernel, bias)
         assert out.dtype == dtype and lse.dtype == torch.float32
         torch.testing.assert_close(out.double(), want, rtol=0, atol=3e-2)
         torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=3e-2)

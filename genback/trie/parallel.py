@@ -150,14 +150,13 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         # vals[hi:] in one kernel (index_add_ / scatter_reduce_), with no gather of the children
         # and no store of the parents.
         row = np.empty(p.num_segments, np.int64)
+        roots = np.ones(p.num_segments, bool)
         end, blocks = 0, []
         for _, ch, _, _ in p.levels:
             row[ch] = end + np.arange(len(ch))
+            roots[ch] = False
             blocks.append((end, end + len(ch)))
             end += len(ch)
-        roots = np.ones(p.num_segments, bool)
-        for _, ch, _, _ in p.levels:
-            roots[ch] = False
         row[roots] = end + np.arange(int(roots.sum()))
         self._t_order = t(p.order)
         self._t_leaf_rows = t(row[: self.num_tokens])  # segment k < V is leaf-order word k

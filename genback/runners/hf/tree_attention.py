@@ -108,43 +108,28 @@ def current() -> TreeBatch | None:
     return getattr(_local, "batch", None)
 
 
-def _attend(q, k, v, scale: float, kernel: str):
-    """Unmasked attention with its log-sum-exp.
+def _attend(q, k, v, scale: float, kernel: str, bias=None):
+    """Attention with its log-sum-exp, optionally masked.
 
-    q: [B, H, N, D], k/v: [B, H, L, D] -> (out [B, H, N, D], lse float32 [B, H, N]).
-    """
-    if kernel == "flash" and q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, scale=scale)
-        return out, lse.float()
-    if kernel == "flash" and q.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, False, scale=scale)[:2]
-        return out, lse[..., : q.shape[2]].float()  # its LSE may be padded to 32 queries
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
-    return out, lse
-
-
-def _attend_masked(q, k, v, bias, scale: float, kernel: str):
-    """Masked attention with its log-sum-exp.
-
-    q: [R, H, N, D], k/v: [R, H, L, D], bias: additive, of q's dtype, broadcastable to
-    [R, H, N, L] (0 = attend, -inf = masked; every query attends to at least one key) ->
-    (out [R, H, N, D], lse float32 [R, H, N]). ``kernel`` ``"flash"``: one fused op on CPU and
-    CUDA (the same ops as :func:`_attend`, with the bias); ``"math"``: scores materialised.
+    q: [B, H, N, D], k/v: [B, H, L, D], bias: None, or additive, of q's dtype, broadcastable to
+    [B, H, N, L] (0 = attend, -inf = masked; every query attends to at least one key) ->
+    (out [B, H, N, D], lse float32 [B, H, N]). ``kernel`` ``"flash"``: one fused op on CPU (flash
+    attention) and CUDA (memory-efficient attention); ``"math"`` (and other devices): scores
+    materialised.
     """
     if kernel == "flash" and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale)
         return out, lse.float()
     if kernel == "flash" and q.device.type == "cuda":
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], -1, -1)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias.expand(q.shape[0], q.shape[1], -1, -1), True, 0.0, False,
-            scale=scale)[:2]
-        return out, lse[..., : q.shape[2]].float()
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+            q, k, v, bias, True, 0.0, False, scale=scale)[:2]
+        return out, lse[..., : q.shape[2]].float()  # its LSE may be padded to 32 queries
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
     return out, lse
@@ -191,7 +176,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
                                                  enable_gqa=G > 1)
         return out.transpose(1, 2).contiguous(), None
     # mask [R, 1, m, P+m] -> additive bias per grouped query [R, 1, G*m, P+m]
-    out, lse = _attend_masked(qg, k, v, batch.bias(G, query.dtype), scale, batch.kernel)
+    out, lse = _attend(qg, k, v, scale, batch.kernel, batch.bias(G, query.dtype))
     out = out.float()
 
     # 2. shared segments: every row below a segment attends to it in one product
