@@ -42,7 +42,7 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
 - ``gc/q``: wall time of Python's cyclic garbage collections during the step, whichever thread ran
   them (``gc.callbacks``); part of ``caller/q`` / ``worker/q``. genback freezes the heap of the
   loaded libraries at the first model (:mod:`genback.heap`), so collections no longer walk torch
-  and transformers, and it untracks every validated context tuple of at least 1,024 tokens
+  and transformers, and it untracks every validated context tuple of at least 32 tokens
   (:func:`genback.heap.untrack_ids`), so no collection walks those either;
 - ``ctx-gc/q``: the caller's own cost of holding its contexts as lists, *not* part of ``host/q``.
   A list is never untracked, so every collection of its generation walks it item by item: 256 new

@@ -78,3 +78,47 @@ def test_validated_contexts_are_untracked_by_the_garbage_collector():
         assert "tuple" in str(e)
     else:
         raise AssertionError("untrack_ids accepted a list")
+
+
+def test_kv_tree_edges_are_untracked_by_the_garbage_collector():
+    """The KV tree's edges are tuples of token ids that live as long as their nodes: a new leaf's
+    edge, both halves of a split edge and a merged chain's edge are untracked when they reach
+    UNTRACK_MIN tokens (no collection walks them), shorter ones are left to the collector."""
+    import gc
+
+    import torch
+
+    from genback.heap import UNTRACK_MIN
+    from genback.runners.hf.kvtree import KVTree
+
+    def kv(n):  # [layers, 2, kv_heads, n, dim]
+        return torch.zeros((1, 2, 1, n, 2))
+
+    gc.disable()  # (a collection would untrack the short edges itself)
+    try:
+        tree = KVTree(1 << 30)
+        prompt = tuple(range(1000, 1000 + 2 * UNTRACK_MIN))
+        leaf = tree.insert(prompt, 0, kv(len(prompt)))
+        assert leaf.edge == prompt and not gc.is_tracked(leaf.edge)
+        # a context that leaves the prompt after UNTRACK_MIN tokens splits its edge there
+        other = prompt[:UNTRACK_MIN] + (7,)
+        tree.insert(other, UNTRACK_MIN, kv(1))
+        upper = leaf.parent
+        assert upper.edge == prompt[:UNTRACK_MIN] and not gc.is_tracked(upper.edge)
+        assert leaf.edge == prompt[UNTRACK_MIN:] and not gc.is_tracked(leaf.edge)
+        # one-token steps below the leaf, merged geometrically by compact
+        ctx, node = prompt, leaf
+        for t in range(2 * UNTRACK_MIN):
+            ctx = ctx + (t,)
+            node = tree.insert(ctx, len(ctx) - 1, kv(1), near=node)
+            node = tree.compact(node)
+        edges = []
+        while node.parent is not None:
+            edges.append(node.edge)
+            node = node.parent
+        assert sum(map(len, edges)) == len(ctx)
+        # a merged edge holds step tokens (< 1000) and is long: untracked like every long edge
+        assert any(len(e) >= UNTRACK_MIN and min(e) < 1000 for e in edges)
+        assert all(not gc.is_tracked(e) for e in edges if len(e) >= UNTRACK_MIN)
+    finally:
+        gc.enable()

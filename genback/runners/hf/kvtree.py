@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from ...heap import untrack_ids
 from .segments import prefix_segments
 
 
@@ -225,7 +226,7 @@ class KVTree:
                 if pos < start:
                     raise KeyError(f"prefix tokens[:{start}] is not cached (evicted?)")
                 part = kv if pos == start else kv[:, :, :, pos - start:]
-                leaf = _Node(node, tokens[pos:], part.contiguous(), len(tokens))
+                leaf = _Node(node, untrack_ids(tokens[pos:]), part.contiguous(), len(tokens))
                 node.children[tokens[pos]] = leaf
                 self.bytes_held += leaf.bytes
                 node = leaf
@@ -243,13 +244,13 @@ class KVTree:
     def _split(self, node: _Node, k: int) -> _Node:
         """Split ``node``'s edge after ``k`` tokens; return the new upper node."""
         parent = node.parent
-        upper = _Node(parent, node.edge[:k], node.kv[:, :, :, :k].contiguous(),
+        upper = _Node(parent, untrack_ids(node.edge[:k]), node.kv[:, :, :, :k].contiguous(),
                       node.depth - len(node.edge) + k)
         lower_kv = node.kv[:, :, :, k:].contiguous()
         self.bytes_held += upper.bytes + lower_kv.numel() * lower_kv.element_size() - node.bytes
         node.kv = lower_kv
         node.bytes = lower_kv.numel() * lower_kv.element_size()
-        node.edge = node.edge[k:]
+        node.edge = untrack_ids(node.edge[k:])
         node.parent = upper
         upper.children[node.edge[0]] = node
         parent.children[upper.edge[0]] = upper
@@ -286,7 +287,7 @@ class KVTree:
         edge = node.edge
         for n in reversed(taken):
             edge = n.edge + edge
-        node.edge = edge
+        node.edge = untrack_ids(edge)  # (ints only: no collection need walk it)
         node.bytes = node.kv.numel() * node.kv.element_size()
         node.parent = up
         up.children[node.edge[0]] = node

@@ -47,7 +47,7 @@ class Path:
     need. ``limit``: how far its cached prefix may reach (its first needed position). ``holder
     is None`` until matched (paths after a prefill level)."""
 
-    __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder")
+    __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder", "n_new")
 
     def __init__(self, tokens: tuple[int, ...], adapter, limit: int, outputs: list[Output],
                  match=None):
@@ -56,16 +56,20 @@ class Path:
         self.limit = limit
         self.outputs = outputs
         _, self.cached, self.holder = match if match is not None else (None, 0, None)
+        self.n_new = len(tokens) - self.cached  # (as matched() keeps it)
+
+    def matched(self, cached: int, holder) -> None:
+        """Set the match: the tree's path down to ``holder`` holds ``tokens[:cached]`` (``n_new``,
+        the tokens the forward computes, is kept with it: the planner and the forward read it
+        several times per path)."""
+        self.cached, self.holder = cached, holder
+        self.n_new = len(self.tokens) - cached
 
     @property
     def segments(self) -> list | None:
         """The cached prefix's segments ``(node, k, kv)`` from the root down (see
         :func:`.kvtree.prefix_segments`; a walk per call), or None until matched."""
         return None if self.holder is None else prefix_segments(self.holder, self.cached)
-
-    @property
-    def n_new(self) -> int:
-        return len(self.tokens) - self.cached
 
     def __repr__(self) -> str:
         return (f"Path({len(self.tokens)} tokens, cached={self.cached}, limit={self.limit}, "
@@ -126,7 +130,7 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
     if not shared:
         return [paths]
     for p in paths:  # prefills commit KV first: match these paths when their level runs
-        p.cached, p.holder = 0, None
+        p.matched(0, None)
     adapter = queries[0].adapter
     levels = [[Path(prefix, adapter, len(prefix), []) for prefix in level]
               for level in nesting_levels(sorted(shared))]

@@ -344,8 +344,9 @@ class HFRunner:
         try:
             for p in level:
                 if p.holder is None:  # (planned paths were matched, and touched, by the plan)
-                    _, p.cached, p.holder = self.tree.match(
+                    _, cached, holder = self.tree.match(
                         p.tokens, p.limit, touch=False, adapter=p.adapter, segments=False)
+                    p.matched(cached, holder)
                 self.tree.acquire(p.holder)
                 held.append(p.holder)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
