@@ -175,3 +175,28 @@ async def test_smollm2_rounding_floor_and_cached_paths(smol_lm):
                             ((k, smol_lm.next_token_logprobs_uncached(prompt[:k]))
                              for k in range(5, len(prompt)))])
     assert maxerr(tl, expected) <= SMOL_TOL
+
+
+def test_host_rows_are_made_in_blocks_equal_to_one_log_softmax():
+    """Rows that land on the CPU are computed in blocks of about 1 MiB (memory malloc reuses,
+    instead of a fresh mapping of N x V x 4 bytes per step): each row equals one log_softmax of
+    the whole batch, is float32 on the row device, and blocks are separate allocations."""
+    from genback.runners.hf.forward import _ROW_BLOCK_BYTES, _log_softmax_rows
+
+    torch.manual_seed(0)
+    V = 100_000  # 2 rows per block
+    per = _ROW_BLOCK_BYTES // (4 * V)
+    assert per == 2
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(7, V) * 4).to(dtype)
+        rows = _log_softmax_rows(logits, torch.device("cpu"))
+        ref = torch.log_softmax(logits.float(), dim=-1)
+        assert len(rows) == 7
+        for row, want in zip(rows, ref):
+            assert row.dtype == torch.float32 and row.shape == (V,) and row.device.type == "cpu"
+            assert torch.equal(row, want)
+        storages = [r.untyped_storage().data_ptr() for r in rows]
+        assert storages[0] == storages[1] != storages[2] == storages[3] != storages[6]
+    # a narrow vocabulary: one block, one op, as before
+    rows = _log_softmax_rows(torch.randn(300, 512), torch.device("cpu"))
+    assert len({r.untyped_storage().data_ptr() for r in rows}) == 1

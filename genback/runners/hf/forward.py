@@ -66,12 +66,41 @@ def _picks(spans, wanted: list[int]) -> list[int]:
 _SLICE = 128
 
 
+# next-token rows that land in host memory are made in blocks of about this many bytes. Rows
+# live on after the step (the output cache holds them; a block is freed only when none of its
+# rows is referenced), so one block of all of a step's rows was a fresh allocation of N x V x 4
+# bytes each step: above glibc's largest mmap threshold (32 MiB) it is mmap'ed and every page
+# faults when log_softmax writes it. Blocks of ~1 MiB are recycled by malloc instead: SmolLM2's
+# 49,152-wide rows, 256 per step with 4,096 kept: ~115-260 µs per row as one block, ~43 µs in
+# blocks of 4 rows (benchmarks/RESULTS.md, "Rows in host memory").
+_ROW_BLOCK_BYTES = 1 << 20
+
+
+def _log_softmax_rows(logits: torch.Tensor, row_device: torch.device) -> list[torch.Tensor]:
+    """``log_softmax`` of each row of ``logits`` ``[K, V]`` (any float dtype, on the model's
+    device) as float32 ``[V]`` tensors on ``row_device``: views of blocks of about
+    :data:`_ROW_BLOCK_BYTES` when they land on the CPU, of one block otherwise."""
+    K, V = logits.shape
+    per = max(1, _ROW_BLOCK_BYTES // (4 * max(1, V))) if row_device.type == "cpu" else K
+    on_device = logits.device.type != "cpu"
+    if on_device:  # one kernel where it runs; moved to row_device block by block
+        logits = torch.log_softmax(logits.float(), dim=-1)
+    out: list[torch.Tensor] = []
+    for a in range(0, K, per):
+        block = logits[a:a + per]
+        if not on_device:
+            block = torch.log_softmax(block.float(), dim=-1)
+        out.extend(block.to(row_device).unbind(0))
+    return out
+
+
 def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.device) -> list:
     """The result of each query (see :mod:`genback.query`) from ``logits`` ``[K, V]`` (on the
     model's device): the needed positions of the queries in order, ``n_outputs`` each.
 
     A :class:`~genback.query.NextToken` gets ``log_softmax`` of its position (float32 ``[V]`` on
-    ``row_device``, a view of one tensor of all such rows: the caller's copy is the only copy), a
+    ``row_device``, a view of a block of such rows (:func:`_log_softmax_rows`): the caller's copy is
+    the only copy), a
     :class:`~genback.query.Step` the :class:`~genback.sampling.Choice` made on the device, a
     :class:`~genback.query.Score` its targets' log-probs (float32 CPU ``[n]``) and with
     ``greedy`` also whether each target is its position's argmax (bool CPU ``[n]``), a
@@ -81,7 +110,7 @@ def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.devic
     dev = logits.device
     if len(queries) == len(logits) and set(map(type, queries)) == {NextToken}:
         # every query a next-token row, one position each (an SMC or decoding step): all rows
-        return list(torch.log_softmax(logits.float(), dim=-1).to(row_device).unbind(0))
+        return _log_softmax_rows(logits, row_device)
     rows_at, steps_at, steps, tgt_at, targets = [], [], [], [], []
     k = 0
     greedy = False
@@ -98,9 +127,8 @@ def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.devic
                 greedy = greedy or q.greedy
         k += q.n_outputs
     if rows_at:
-        rows = torch.log_softmax(
-            logits.index_select(0, torch.tensor(rows_at, device=dev)).float(), dim=-1
-        ).to(row_device).unbind(0)  # (one call for all the row views)
+        rows = _log_softmax_rows(logits.index_select(0, torch.tensor(rows_at, device=dev)),
+                                 row_device)
     if tgt_at:
         idx = torch.tensor(tgt_at, device=dev)
         tgt = torch.tensor(targets, device=dev)
