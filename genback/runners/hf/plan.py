@@ -45,7 +45,8 @@ class Path:
     ``KVTree.match`` ended in, held by the runner while the path is in use) holds the KV of
     ``tokens[:cached]``; the forward computes ``tokens[cached:]`` and the logits ``outputs``
     need. ``limit``: how far its cached prefix may reach (its first needed position). ``holder
-    is None`` until matched (paths after a prefill level)."""
+    is None`` until matched (paths after a prefill level). ``n_new``: ``len(tokens) - cached``,
+    kept with the match: change the match only with :meth:`matched`."""
 
     __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder", "n_new")
 
