@@ -243,7 +243,7 @@ def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale()
     ctx = tuple(range(100, 400))
     kv = torch.arange(300.0).reshape(1, 1, 1, 300, 1).expand(1, 2, 1, 300, 1).contiguous()
     node = tree.insert(ctx, 0, kv)
-    tree.note_end(ctx, node)
+    tree.ends.note(ctx, node)
     child = ctx + (7,)
     walked = tree.match(child, len(ctx), touch=False)
     fast = tree.match(child, len(ctx), touch=False, parent=ctx)
@@ -253,22 +253,22 @@ def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale()
     assert tree.match(child, touch=False, parent=tuple(list(ctx)))[1] == len(ctx)
     # a different adapter does not use the note
     assert tree.match(child, touch=False, adapter=3, parent=ctx)[1] == 0
-    tree.rotate_ends()  # fewer than ENDS_KEEP notes: kept as they are
+    tree.ends.rotate()  # fewer than ends.keep notes: kept as they are
     assert tree.match(child, len(ctx), touch=False, parent=ctx)[2] is node
-    tree.ENDS_KEEP = 1
-    tree.rotate_ends()
+    tree.ends.keep = 1
+    tree.ends.rotate()
     assert tree.match(child, len(ctx), touch=False, parent=ctx)[2] is node  # previous generation
     spied = []
     walk = tree._roots.get
     tree._roots = type("Spy", (dict,), {"get": lambda self, k, d=None: spied.append(k) or walk(k, d)})(
         tree._roots)
     assert tree.match(child, len(ctx), touch=False, parent=ctx)[1] == len(ctx) and not spied
-    tree.note_end((1, 2), node)
-    tree.rotate_ends()
-    tree.note_end((3, 4), node)
-    tree.rotate_ends()  # two generations later the note is forgotten: a walk, same answer
+    tree.ends.note((1, 2), node)
+    tree.ends.rotate()
+    tree.ends.note((3, 4), node)
+    tree.ends.rotate()  # two generations later the note is forgotten: a walk, same answer
     assert tree.match(child, len(ctx), touch=False, parent=ctx)[1] == len(ctx) and spied
-    tree.note_end(ctx, node)
+    tree.ends.note(ctx, node)
     tree.budget_bytes = 1
     tree.evict()  # the node is gone: the note is stale and must not be used
     assert node.kv is None

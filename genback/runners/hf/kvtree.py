@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 
 from ...heap import untrack_ids
+from .ends import Ends
 from .segments import prefix_segments
 
 
@@ -70,8 +71,6 @@ class KVTree:
     # measured at 256 particles after 100 steps, 3 made the per-query walk cost more than the
     # torch.cat calls it saved)
     MERGE_MIN = 1
-    # noted ends (note_end) are kept until at least this many later ones were noted
-    ENDS_KEEP = 2048
 
     def __init__(self, budget_bytes: int):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -83,10 +82,9 @@ class KVTree:
         self.bytes_held = 0
         self.evictions = 0  # nodes evicted
         self.merges = 0  # nodes merged into their one child (compact)
-        # contexts whose KV ends exactly at a node, by the identity of their tuple: the current
-        # generation of notes and the one before (see note_end, rotate_ends, match's ``parent``)
-        self._ends: dict[int, tuple] = {}
-        self._ends_before: dict[int, tuple] = {}
+        # contexts whose KV ends exactly at a node, by the identity of their tuple (match's
+        # ``parent``); the runner notes them as it inserts
+        self.ends = Ends()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -109,7 +107,7 @@ class KVTree:
             adapter: the adapter key whose tree is searched (None: the base model).
             parent: a tuple the caller knows to equal ``tokens[:len(parent)]`` (a query's
                 :attr:`~genback.query.Query.parent`). When it is the very object a recent call
-                noted (:meth:`note_end`) and its node is still in the tree, the walk starts at
+                noted (:meth:`.ends.Ends.note`) and its node is still in the tree, the walk starts at
                 that node: no token of the context is compared (an SMC step or a decoding step
                 costs the same for 100 tokens as for 16,000).
             segments: False: return None for the segments (the runner lists them for all the
@@ -128,7 +126,7 @@ class KVTree:
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         node = None
         if parent is not None and len(parent) <= limit:
-            node = self.noted(parent, adapter)
+            node = self.ends.get(parent, adapter)
         want, segments = segments, []
         if node is not None:
             pos = node.depth
@@ -155,33 +153,6 @@ class KVTree:
         if touch:
             self._touch(node)
         return (segments if want else None), pos, node
-
-    def noted(self, tokens: tuple, adapter=None) -> _Node | None:
-        """The node where the KV of ``tokens`` (this very tuple, under ``adapter``) ends, if a
-        recent :meth:`note_end` said so and that node still ends there; else None. O(1)."""
-        end = self._ends.get(id(tokens)) or self._ends_before.get(id(tokens))
-        if end is None or end[0] is not tokens or end[2] != adapter:
-            return None
-        node = end[1]
-        if node.kv is None or node.parent is None or node.depth != len(tokens):
-            return None  # evicted or merged away since
-        return node
-
-    def note_end(self, tokens: tuple, node: _Node, adapter=None) -> None:
-        """Remember that the KV of ``tokens`` (this very tuple) ends exactly at ``node``, for a
-        later :meth:`match` given ``parent=tokens``. Kept until at least :attr:`ENDS_KEEP` later
-        notes were made (:meth:`rotate_ends`): the tuples are the contexts of recent queries,
-        which the front's memory of validated contexts (4,096) holds anyway."""
-        self._ends[id(tokens)] = (tokens, node, adapter)
-
-    def rotate_ends(self) -> None:
-        """End a call: once the current generation of noted ends holds :attr:`ENDS_KEEP`, it
-        becomes the previous one and the one before is forgotten. (Rotating at every call lost
-        the parents of a step that the batcher split: 1,024 particles in batches of 512 never
-        found their parents, and every query of 16,000 tokens was walked from the root, twice:
-        ~160 µs per query, measured with ``bench_host.py``.)"""
-        if len(self._ends) >= self.ENDS_KEEP:
-            self._ends_before, self._ends = self._ends, {}
 
     def acquire(self, node: _Node) -> None:
         """Protect ``node`` (and so its ancestors) from eviction until ``release``."""
@@ -378,7 +349,7 @@ class KVTree:
 
     def clear(self, keep_pinned: bool = False) -> None:
         """Drop every node (or every node not on the path of a pinned node)."""
-        self._ends, self._ends_before = {}, {}
+        self.ends.clear()
         if not keep_pinned:
             for root in self._roots.values():
                 root.children.clear()
@@ -402,7 +373,7 @@ class KVTree:
         root = self._roots.pop(adapter, None) if adapter is not None else None
         if root is None:
             return 0
-        self._ends, self._ends_before = {}, {}
+        self.ends.clear()
         freed, stack = 0, list(root.children.values())
         while stack:
             node = stack.pop()

@@ -359,7 +359,7 @@ class HFRunner:
                                             touch=False)
                     self._inserted.append(node)
                     new.append(node)
-                    self.tree.note_end(p.tokens, node, p.adapter)
+                    self.tree.ends.note(p.tokens, node, p.adapter)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             # the LRU order of everything this level used or inserted, each node once (also
@@ -378,7 +378,7 @@ class HFRunner:
             if node.kv is not None and node.parent is not None:  # (not evicted or merged away)
                 self.tree.compact(node)
         self._inserted.clear()
-        self.tree.rotate_ends()
+        self.tree.ends.rotate()
         self._freed_since_trim += self.tree.evict()
         if self._freed_since_trim >= 64 << 20 and self.device.type == "cpu":
             _trim_host_memory()

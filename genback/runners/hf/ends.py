@@ -1,0 +1,62 @@
+"""``Ends``: where the KV of recent contexts ends in the KV tree, by the identity of their tuple.
+
+An SMC step or a decoding step asks for a context that is its parent's plus one token; the
+front hands the runner the parent's validated tuple (:attr:`genback.query.Query.parent`). When
+that very tuple was a recent query's context, the runner noted the tree node where its KV ends
+(:meth:`Ends.note`), so :meth:`.kvtree.KVTree.match` starts its walk there instead of at the root:
+no token of the context is compared, and a step costs the same at 100 tokens as at 16,000.
+
+Notes are keyed by ``id(tuple)`` and keep the tuple itself, so a key can never be mistaken for a
+new tuple at a reused address; a note is trusted only while its node still ends at that depth
+(not evicted or merged away since). Notes live in two generations: once the current one holds
+:attr:`Ends.keep` notes, :meth:`Ends.rotate` makes it the previous one and forgets the one before.
+"""
+
+from __future__ import annotations
+
+
+class Ends:
+    """Recent contexts' end nodes, by tuple identity, in two generations.
+
+    Args:
+        keep: notes a generation holds before :meth:`rotate` retires it (> 0).
+
+    Not thread-safe: the KV tree's owner serialises access.
+    """
+
+    __slots__ = ("keep", "_current", "_before")
+
+    def __init__(self, keep: int = 2048):
+        self.keep = keep
+        self._current: dict[int, tuple] = {}
+        self._before: dict[int, tuple] = {}
+
+    def get(self, tokens: tuple, adapter=None):
+        """The node where the KV of ``tokens`` (this very tuple, under ``adapter``) ends, if a
+        recent :meth:`note` said so and that node still ends there; else None. O(1)."""
+        end = self._current.get(id(tokens)) or self._before.get(id(tokens))
+        if end is None or end[0] is not tokens or end[2] != adapter:
+            return None
+        node = end[1]
+        if node.kv is None or node.parent is None or node.depth != len(tokens):
+            return None  # evicted or merged away since
+        return node
+
+    def note(self, tokens: tuple, node, adapter=None) -> None:
+        """Remember that the KV of ``tokens`` (this very tuple) ends exactly at ``node``, for a
+        later :meth:`get`. The tuples are the contexts of recent queries, which the front's
+        memory of validated contexts (4,096) holds anyway."""
+        self._current[id(tokens)] = (tokens, node, adapter)
+
+    def rotate(self) -> None:
+        """End a runner call: once the current generation holds :attr:`keep` notes, it becomes
+        the previous one and the one before is forgotten. (Rotating at every call lost the
+        parents of a step that the batcher split: 1,024 particles in batches of 512 never found
+        their parents, and every query of 16,000 tokens was walked from the root, twice: ~160 µs
+        per query, measured with ``bench_host.py``.)"""
+        if len(self._current) >= self.keep:
+            self._before, self._current = self._current, {}
+
+    def clear(self) -> None:
+        """Forget every note."""
+        self._current, self._before = {}, {}
