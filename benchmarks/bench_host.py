@@ -69,8 +69,9 @@ for i in range(n)])`` (what genlm-control's ``PromptedLLM.log_probability`` send
 wall ratio, and the max abs difference between ``rows[i][seq[i]]`` and ``token_logprobs[i]``.
 
 Run: ``taskset -c 1 python benchmarks/bench_host.py`` (tiny model, full grid), ``--model smollm2``
-(a smaller default grid), ``--particles 16 256 --contexts 100 4000 --steps 8``, ``--quick`` (tiny
-model, smallest grid, a few seconds), ``--no-nested`` / ``--no-smc`` for one part.
+(a smaller default grid, 24 steps by default), ``--particles 16 256 --contexts 100 4000 --steps
+8``, ``--quick`` (tiny model, smallest grid, a few seconds), ``--no-nested`` / ``--no-smc`` for
+one part.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ TEXT_MODULES = ["json", "argparse", "asyncio", "collections", "functools", "iter
                 "calendar", "datetime", "random", "string", "codecs", "pickle", "shutil", "socket"]
 DEFAULT_GRID = {"tiny": ([16, 256, 1024], [100, 1000, 4000, 16000]),
                 "smollm2": ([16, 256], [100, 1000, 4000])}
+# measured steps by default: SmolLM2 runs 24, so that 256 particles fill the output cache (4,096
+# rows; 8 steps never do) and the steady state is measured, with old rows dropped each step
+# (a cost that 8 steps hid: the row blocks, benchmarks/RESULTS.md "fifth pass")
+DEFAULT_STEPS = {"tiny": 8, "smollm2": 24}
 
 
 def corpus(min_chars: int = 150_000) -> str:
@@ -398,7 +403,7 @@ def parse(argv=None):
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--particles", type=int, nargs="+")
     p.add_argument("--contexts", type=int, nargs="+")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, help="measured steps (default: 8 tiny, 24 smollm2)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--resample", type=int, default=3)
     p.add_argument("--vocab", type=int, default=512, help="tiny model's BPE vocabulary")
@@ -417,6 +422,7 @@ def parse(argv=None):
         args.contexts = args.contexts or [100, 1000]
         args.steps, args.warmup, args.nested_len = 3, 1, 64
     grid = DEFAULT_GRID[args.model]
+    args.steps = args.steps or DEFAULT_STEPS[args.model]
     args.particles = args.particles or grid[0]
     args.contexts = args.contexts or grid[1]
     return args
