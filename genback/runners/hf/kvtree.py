@@ -107,9 +107,9 @@ class KVTree:
             adapter: the adapter key whose tree is searched (None: the base model).
             parent: a tuple the caller knows to equal ``tokens[:len(parent)]`` (a query's
                 :attr:`~genback.query.Query.parent`). When it is the very object a recent call
-                noted (:meth:`.ends.Ends.note`) and its node is still in the tree, the walk starts at
-                that node: no token of the context is compared (an SMC step or a decoding step
-                costs the same for 100 tokens as for 16,000).
+                noted (:meth:`.ends.Ends.note`) and its node is still in the tree, the walk
+                starts at that node: no token of the context is compared (an SMC step or a
+                decoding step costs the same for 100 tokens as for 16,000).
             segments: False: return None for the segments (the runner lists them for all the
                 paths of a forward at once, :mod:`.segments`); a walk from ``parent``'s node is
                 then O(1).
