@@ -18,9 +18,8 @@ tuple plus one token). A new tuple is tracked by the collector until the first c
 sees it finds only atomic items and untracks it (CPython's ``_PyTuple_MaybeUntrack``); until then
 that collection walks it three times, item by item: about 6.5 ns per token (0.7 µs per query at
 100 tokens, 6.5 µs at 1,000, ~100 µs at 16,000), more than the rest of the query's host work for
-long contexts. :func:`untrack_ids` does at once what
-that collection would do, with the C API's ``PyObject_GC_UnTrack`` (through ``ctypes.pythonapi``,
-which holds the GIL during the call).
+long contexts. :func:`untrack_ids` does at once what that collection would do, with the C API's
+``PyObject_GC_UnTrack`` (through ``ctypes.pythonapi``, which holds the GIL during the call).
 """
 
 from __future__ import annotations
