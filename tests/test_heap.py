@@ -86,13 +86,13 @@ def test_kv_tree_edges_are_untracked_by_the_garbage_collector():
     UNTRACK_MIN tokens (no collection walks them), shorter ones are left to the collector."""
     import gc
 
-    import torch
+    import numpy as np
 
     from genback.heap import UNTRACK_MIN
     from genback.runners.hf.kvtree import KVTree
 
-    def kv(n):  # [layers, 2, kv_heads, n, dim]
-        return torch.zeros((1, 2, 1, n, 2))
+    def kv(n):  # n pool slots (the tree only indexes them here)
+        return np.arange(1, n + 1)
 
     gc.disable()  # (a collection would untrack the short edges itself)
     try:

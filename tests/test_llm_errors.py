@@ -286,9 +286,8 @@ def test_match_probes_do_not_reorder_the_lru():
     from genback.runners.hf.kvtree import KVTree
 
     tree = KVTree(10_000)
-    kv = lambda n: torch.zeros((1, 2, 1, n, 1))  # noqa: E731
-    tree.insert((1, 2), 0, kv(2))
-    tree.insert((3, 4), 0, kv(2))
+    tree.insert((1, 2), 0, np.array([1, 2]))
+    tree.insert((3, 4), 0, np.array([3, 4]))
     order = list(tree._lru)
     tree.match((1, 2), touch=False)
     assert list(tree._lru) == order

@@ -118,35 +118,33 @@ async def test_all_particles_of_a_step_share_one_forward(tiny_hf, gpt2_tok):
         await lm.aclose()
 
 
-async def test_decoding_steps_copy_only_new_tokens_into_the_past_pool(tiny_hf, gpt2_tok):
-    """Rows with distinct prompts (private pasts) decoding in lockstep for 40 steps. The pool
-    copies a segment once and finds it again by identity, so a step copies new columns only:
-    the last token of each row, plus the nodes the tree merged (``KVTree.compact``, amortised
-    O(log steps) copies per token) and a rebuild when the pool is full. In all, far less than
-    laying out every row's whole past each step (the brute-force layout), and each path keeps
-    O(log steps) segments instead of one per generated token. Every row stays exact."""
+async def test_decoding_steps_take_one_pool_slot_per_new_token(tiny_hf, gpt2_tok):
+    """Rows with distinct prompts (private pasts) decoding in lockstep for 40 steps. KV lives in
+    the pool's token slots and the tree holds slot indices: a step takes exactly one slot per
+    row (no KV is copied to lay out pasts or to merge nodes: ``KVTree.compact`` joins index
+    arrays), each path keeps O(log steps) segments instead of one per generated token, clearing
+    the cache frees every slot, and every row stays exact."""
     rng = random.Random(7)
     rows_n, steps = 12, 40
     parts = [[100 + rng.randrange(500) for _ in range(20 + 3 * i)] for i in range(rows_n)]
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
     try:
-        copied, whole = [], []
+        used = []
         for step in range(steps):
-            before = lm.cache_info()["past_pool_columns_copied"]
             got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
-            copied.append(lm.cache_info()["past_pool_columns_copied"] - before)
-            whole.append(sum(len(c) - 1 for c in parts))  # every row's past, laid out anew
+            used.append(lm.cache_info()["kv_pool_slots_used"])
             assert _max_err(got, parts, lm) <= 1e-5
             parts = [c + [100 + rng.randrange(500)] for c in parts]
-        assert copied[0] == 0  # the first step forwards whole prompts: no past yet
-        assert sum(copied[2:]) <= sum(whole[2:]) / 4, (copied, whole)
+        prompts = sum(len(c) for c in parts) - rows_n * steps
+        assert prompts - rows_n < used[0] <= prompts  # the prompts (a shared first token once)
+        assert all(b - a == rows_n for a, b in zip(used, used[1:])), used
         tree = lm.runner.tree
         assert tree.merges > 0
+        assert lm.cache_info()["kv_bytes"] == used[-1] * lm.runner.kv_token_bytes
         depths = [len(tree.match(tuple(c[:-1]), touch=False)[0]) for c in parts]
         assert max(depths) <= 2 * math.log2(steps) + 2, depths  # not one node per step
-        assert lm.cache_info()["past_pool_bytes"] > 0
         lm.clear_kv_cache()
-        assert lm.cache_info()["past_pool_bytes"] == 0
+        assert lm.cache_info()["kv_pool_slots_used"] == 0
     finally:
         await lm.aclose()
 

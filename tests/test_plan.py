@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from genback.llm import AsyncTransformer
 from genback.llm.inputs import ContextChecker
 from genback.query import NextToken, Prefill, Score
+from genback.runners.hf.kv_pool import KVPool
 from genback.runners.hf.kvtree import KVTree, common_prefix_length
 from genback.runners.hf.plan import plan_batch
 
@@ -29,9 +31,9 @@ def test_common_prefix_length_matches_brute_force(a, b, data):
     assert common_prefix_length(tuple(a), tuple(b), start) == brute
 
 
-def _tree_with(tokens: tuple, n_layers=1) -> KVTree:
+def _tree_with(tokens: tuple) -> KVTree:
     tree = KVTree(1 << 30)
-    tree.insert(tokens, 0, torch.zeros((n_layers, 2, 1, len(tokens), 1)))
+    tree.insert(tokens, 0, np.arange(1, len(tokens) + 1))
     return tree
 
 
@@ -190,7 +192,9 @@ async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
 
 def _kv_of(tree: KVTree, tokens: tuple, **kw) -> tuple[torch.Tensor, int]:
     segments, cached, _ = tree.match(tokens, touch=False, **kw)
-    return torch.cat([kv for _, _, kv in segments], dim=3) if segments else None, cached
+    if not segments:
+        return None, cached
+    return tree.pool.read(np.concatenate([slots for _, _, slots in segments])), cached
 
 
 @settings(max_examples=40, deadline=None)
@@ -200,18 +204,26 @@ def test_compacted_tree_keeps_every_path_exact(ops, seed):
     """Random SMC-like growth: particles extend by 1-3 tokens and copy each other; after each
     call every inserted node is compacted (as the runner does). Each context's KV, read back
     through the merged nodes, equals the KV that was inserted for its tokens (brute force: a
-    per-token value), pinned nodes keep their boundary, branching nodes are never merged."""
+    per-token value, written into the pool slots the insertion took), pinned nodes keep their
+    boundary, branching nodes are never merged, and every slot a node holds is in use once."""
     gen = torch.Generator().manual_seed(seed)
     value = {}  # (context prefix) -> this token's KV value, defined by the inserting call
+    pool = KVPool((1, 1, 1, torch.float32, torch.device("cpu")), capacity=8)
 
     def kv_for(tokens, start):
         return torch.stack([value[tokens[:i + 1]] for i in range(start, len(tokens))], dim=3)
 
-    tree = KVTree(1 << 30)
+    def slots_for(tokens, start):  # a forward: take slots, write the new tokens' KV there
+        slots = pool.alloc(len(tokens) - start)
+        for j, slot in enumerate(slots.tolist()):
+            pool.store[:, :, :, slot] = value[tokens[:start + j + 1]]
+        return slots
+
+    tree = KVTree(1 << 30, pool)
     prompt = tuple(range(50, 58))
     for i in range(len(prompt)):
         value[prompt[:i + 1]] = torch.randn((1, 2, 1, 1), generator=gen)
-    tree.insert(prompt, 0, kv_for(prompt, 0))
+    tree.insert(prompt, 0, slots_for(prompt, 0))
     assert tree.pin(prompt)
     particles = [prompt] * 4
     for k, n in ops:
@@ -226,23 +238,24 @@ def test_compacted_tree_keeps_every_path_exact(ops, seed):
         segments, cached, holder = tree.match(new)
         particles[i] = new
         if cached < len(new):
-            tree.compact(tree.insert(new, cached, kv_for(new, cached), near=holder))
+            tree.compact(tree.insert(new, cached, slots_for(new, cached), near=holder))
         for p in set(particles):
             got, cached = _kv_of(tree, p)
             assert cached == len(p)
             assert torch.equal(got, kv_for(p, 0))
         assert tree.find(prompt) is not None and tree.find(prompt).pinned
         for node in list(tree._lru):  # a merged-away node is gone from the tree and the LRU
-            assert node.kv is not None and node.parent is not None
-            assert node.kv.shape[3] == len(node.edge)
+            assert node.slots is not None and node.parent is not None
+            assert len(node.slots) == len(node.edge)
     assert sum(node.bytes for node in tree._lru) == tree.bytes_held
+    held = np.concatenate([node.slots for node in tree._lru])
+    assert len(set(held.tolist())) == len(held) == pool.in_use and 0 not in held
 
 
 def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale():
     tree = KVTree(1 << 30)
     ctx = tuple(range(100, 400))
-    kv = torch.arange(300.0).reshape(1, 1, 1, 300, 1).expand(1, 2, 1, 300, 1).contiguous()
-    node = tree.insert(ctx, 0, kv)
+    node = tree.insert(ctx, 0, np.arange(1, 301))
     tree.ends.note(ctx, node)
     child = ctx + (7,)
     walked = tree.match(child, len(ctx), touch=False)
@@ -271,5 +284,5 @@ def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale()
     tree.ends.note(ctx, node)
     tree.budget_bytes = 1
     tree.evict()  # the node is gone: the note is stale and must not be used
-    assert node.kv is None
+    assert node.slots is None
     assert tree.match(child, len(ctx), touch=False, parent=ctx)[1] == 0

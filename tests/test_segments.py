@@ -1,18 +1,19 @@
-"""The union of a forward's paths (genback.runners.hf.segments) and the past pool's layout from it,
-against brute force: each path's segments listed one by one from the tree, counted per path,
-laid out by concatenation. Random trees with splits after matching (a later insertion of the
+"""The union of a forward's paths (genback.runners.hf.segments) and the private pasts' slot layout
+from it, against brute force: each path's segments listed one by one from the tree, counted per
+path, laid out by concatenation. Random trees with splits after matching (a later insertion of the
 same level splits a holder's edge) and compaction; every path's KV is read back token by token."""
 
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from genback.runners.hf.kv_pool import KVPool
 from genback.runners.hf.kvtree import KVTree
-from genback.runners.hf.past_pool import PastPool
 from genback.runners.hf.plan import Path
 from genback.runners.hf.segments import prefix_segments, split_segments
 
@@ -25,16 +26,27 @@ def _kv(tokens: tuple, start: int) -> torch.Tensor:
     return torch.tensor(rows).reshape(1, 1, 1, -1, 3).expand(1, 2, 1, -1, 3).contiguous()
 
 
+def _slots(pool: KVPool, tokens: tuple, start: int) -> np.ndarray:
+    """A forward's part: take slots for ``tokens[start:]`` and write their :func:`_kv` there."""
+    slots = pool.alloc(len(tokens) - start)
+    pool.store[:, :, :, torch.from_numpy(slots)] = _kv(tokens, start)
+    return slots
+
+
+def _key(slots: np.ndarray) -> tuple[int, int]:
+    return int(slots[0]), len(slots)  # (nodes' slots are disjoint: the first names a segment)
+
+
 def _brute(paths: list[Path], min_shared: int):
     """The per-path rule, segment by segment: ``(shared {key: sorted path indices}, private
-    [[key, ...] per path])`` with key ``(data_ptr, length)`` of a segment's KV."""
+    [[key, ...] per path])`` with key ``(first slot, length)`` of a segment."""
     segs = [prefix_segments(p.holder, p.cached) for p in paths]
     count = Counter((id(n), k) for row in segs for n, k, _ in row)
     shared, private = {}, []
     for i, row in enumerate(segs):
         mine = []
-        for n, k, kv in row:
-            key = (kv.data_ptr(), kv.shape[3])
+        for n, k, slots in row:
+            key = _key(slots)
             if count[(id(n), k)] >= 2 and k >= min_shared:
                 shared.setdefault(key, []).append(i)
             else:
@@ -49,13 +61,14 @@ def _brute(paths: list[Path], min_shared: int):
        st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), max_size=4),
        st.integers(1, 6), st.integers(1, 3), st.booleans())
 def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_shared, m, compact):
-    tree = KVTree(1 << 30)
+    pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")), capacity=8)
+    tree = KVTree(1 << 30, pool)
     stored = []
     for s in seqs:  # contexts sharing prefixes (small alphabet)
         tokens = tuple(s)
         _, cached, holder = tree.match(tokens)
         if cached < len(tokens):
-            node = tree.insert(tokens, cached, _kv(tokens, cached), near=holder)
+            node = tree.insert(tokens, cached, _slots(pool, tokens, cached), near=holder)
             if compact:
                 tree.compact(node)
         stored.append(tokens)
@@ -71,57 +84,49 @@ def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_sh
         tokens = tuple(s) + (4,)
         _, cached, holder = tree.match(tokens)
         if cached < len(tokens):
-            tree.insert(tokens, cached, _kv(tokens, cached), near=holder)
+            tree.insert(tokens, cached, _slots(pool, tokens, cached), near=holder)
 
     shared, private = split_segments(paths, min_shared)
     want_shared, want_private = _brute(paths, min_shared)
-    assert {(kv.data_ptr(), kv.shape[3]): idx for kv, idx in shared} == want_shared
-    got_private = [[(private.kvs[j].data_ptr(), private.kvs[j].shape[3]) for j in row if j >= 0]
+    assert {_key(slots): idx for slots, idx in shared} == want_shared
+    got_private = [[_key(private.segs[j]) for j in row if j >= 0]
                    for row in private.chains.tolist()]
     assert got_private == want_private
-    assert len({id(kv) for kv in private.kvs}) == len(private.kvs)  # each segment once
+    assert len({_key(seg) for seg in private.segs}) == len(private.segs)  # each segment once
 
     # every path's KV, shared and private parts together, is its prefix, token by token
     for i, p in enumerate(paths):
-        parts = [kv for kv, idx in shared if i in idx]
-        parts += [private.kvs[j] for j in private.chains[i].tolist() if j >= 0]
-        got = (torch.cat(parts, dim=3)[0, 0, 0] if parts else torch.zeros((0, 3)))
+        parts = [slots for slots, idx in shared if i in idx]
+        parts += [private.segs[j] for j in private.chains[i].tolist() if j >= 0]
+        got = (pool.read(np.concatenate(parts))[0, 0, 0] if parts else torch.zeros((0, 3)))
         got = got[got[:, 0].argsort()]
         assert torch.equal(got, _kv(p.tokens[:p.cached], 0)[0, 0, 0] if p.cached
                            else torch.zeros((0, 3)))
 
-    # the pool lays out each row's private past, left-padded, then its scratch columns
-    pool = PastPool((1, 1, 3, torch.float32, torch.device("cpu")))
-    for _ in range(2):  # the second time from the columns kept (nothing copied)
-        before = pool.columns_copied
-        placed = pool.place(private, m)
-        lengths = [sum(private.kvs[j].shape[3] for j in row if j >= 0)
-                   for row in private.chains.tolist()]
-        if max(lengths, default=0) == 0:
-            assert placed is None
-            break
-        index, P, pads = placed
-        assert P == max(lengths) and pads.tolist() == [P - n for n in lengths]
-        cols = index.view(len(paths), P + m)
-        for i, row in enumerate(private.chains.tolist()):
-            kvs = [private.kvs[j] for j in row if j >= 0]
-            want = torch.cat(kvs, dim=3)[0, 0, 0] if kvs else torch.zeros((0, 3))
-            past = pool.store[0, 0, 0, cols[i, pads[i]:P]]
-            assert torch.equal(past, want)
-            assert (cols[i, :pads[i]] == 0).all()  # the padding reads column 0
-            assert cols[i, P:].tolist() == [pool._scratch + i * m + t for t in range(m)]
-        if _ == 1:  # the same segments again: found in the pool by identity
-            assert pool.columns_copied == before
+    # the layout: each row's private past, left-padded with slot 0, then its tail (new slots)
+    tail = np.arange(len(paths) * m).reshape(len(paths), m) + 10_000
+    layout, pads = private.layout(tail)
+    lengths = [sum(len(private.segs[j]) for j in row if j >= 0)
+               for row in private.chains.tolist()]
+    P = max(lengths, default=0)
+    assert layout.shape == (len(paths), P + m) and pads.tolist() == [P - n for n in lengths]
+    for i, row in enumerate(private.chains.tolist()):
+        segs = [private.segs[j] for j in row if j >= 0]
+        want = np.concatenate(segs) if segs else np.empty(0, dtype=np.int64)
+        assert layout[i, pads[i]:P].tolist() == want.tolist()
+        assert (layout[i, :pads[i]] == 0).all()  # the padding reads slot 0
+        assert layout[i, P:].tolist() == tail[i].tolist()
     for p in paths:
         tree.release(p.holder)
 
 
 def test_touch_all_keeps_parents_more_recent_than_their_descendants():
-    tree = KVTree(1 << 30)
+    pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")))
+    tree = KVTree(1 << 30, pool)
     ends = []
     for s in [(1, 2, 3), (1, 2, 4), (1, 5), (6,), (1, 2, 3, 7), (8, 9)]:
         _, cached, holder = tree.match(s)
-        ends.append(tree.insert(s, cached, _kv(s, cached), near=holder))
+        ends.append(tree.insert(s, cached, _slots(pool, s, cached), near=holder))
     tree.touch_all([ends[3], ends[0], ends[4], ends[0]])
     order = list(tree._lru)
     assert len(order) == len(set(order)) == len(tree)

@@ -28,7 +28,7 @@ def test_masked_part_and_merge_equal_one_softmax(device, kernel, R, G, m, P):
     mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
     for r in range(R):
         mask[r, 0, :, : min(r, P)] = False
-    batch = T.TreeBatch([], None, None, P, mask.to(device), torch.empty(0))
+    batch = T.TreeBatch([], None, None, None, P, mask.to(device))
     bias = batch.bias(G, torch.float32)
     assert bias.shape == (R, 1, G * m, L) and bias.stride(-2) % 16 == 0
     assert batch.bias(G, torch.float32) is bias  # built once per forward
@@ -65,7 +65,7 @@ def test_masked_part_in_half_precision(device, dtype):
     mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
     mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
     mask[1, 0, :, :3] = False
-    bias = T.TreeBatch([], None, None, P, mask.to(device), torch.empty(0)).bias(G, dtype)
+    bias = T.TreeBatch([], None, None, None, P, mask.to(device)).bias(G, dtype)
     assert bias.dtype == dtype
     q = torch.randn(R, Hkv, G * m, D, device=device).to(dtype)
     k = torch.randn(R, Hkv, P + m, D, device=device).to(dtype)

@@ -11,6 +11,7 @@ LoRA adapters (peft) are registered by name (``add_new_lora``) and chosen per qu
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..runners.hf import HFRunner
@@ -34,8 +35,7 @@ class AsyncTransformer(AsyncLM):
             the logits of the positions it scores (default: a quarter of free memory, at most
             2 GiB). A query larger than that is answered in forwards that fit (its context
             prefilled in chunks, its continuation scored in slices); one whose single position
-            does not fit fails alone with a ``ValueError`` naming the limit. Private pasts kept
-            between forwards (``cache_info()["past_pool_bytes"]``) are freed beyond it.
+            does not fit fails alone with a ``ValueError`` naming the limit.
         kv_budget_bytes: most bytes of KV kept in the prefix tree (default: half of the device's
             free memory at construction); least recently used leaves are evicted beyond it and
             recomputed when asked again. Everything genback keeps of a forward lives in the tree.
@@ -140,7 +140,7 @@ class AsyncTransformer(AsyncLM):
 
         Returns:
             The tuple `(node, next_token_index, past, base)`: `node` is the deepest KV-tree node
-                on the cached path (`node.kv` / `node.past_key_values`: its edge's KV; a root
+                on the cached path (`node.slots`: its edge's slots in the KV pool; a root
                 when nothing is cached), `next_token_index` the number of leading tokens whose
                 KV is cached, `past` their KV as one new tensor `[layers, 2, kv_heads,
                 next_token_index, head_dim]` on the model's device (None when nothing is
@@ -155,7 +155,8 @@ class AsyncTransformer(AsyncLM):
         ids = self._check_ids(token_ids)
         with self.front.lock:
             segments, n, node = self.runner.tree.match(ids, touch=False, adapter=adapter)
-            past = torch.cat([kv for _, _, kv in segments], dim=3) if segments else None
+            past = (self.runner.pool.read(np.concatenate([s for _, _, s in segments])).clone()
+                    if segments else None)
         return node, n, past, n
 
     # -- statistics and reference --------------------------------------------------------------------

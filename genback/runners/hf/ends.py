@@ -38,7 +38,7 @@ class Ends:
         if end is None or end[0] is not tokens or end[2] != adapter:
             return None
         node = end[1]
-        if node.kv is None or node.parent is None or node.depth != len(tokens):
+        if node.slots is None or node.parent is None or node.depth != len(tokens):
             return None  # evicted or merged away since
         return node
 

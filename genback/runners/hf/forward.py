@@ -4,24 +4,26 @@ Both kinds of forward feed the paths' new tokens right-padded to the longest (``
 explicit positions, and keep logits only at the positions some output needs (``logits_to_keep``):
 
 * :func:`tree_forward`: tree attention (:mod:`.tree_attention`): shared segments are read in
-  place once for all paths below them; each path's private past is laid out layer by layer from
-  the runner's :class:`~.past_pool.PastPool`.
+  place once for all paths below them; each path's private past is gathered layer by layer from
+  the runner's :class:`~.kv_pool.KVPool`.
 * :func:`dense_forward`: for models without the attention interface: each path's whole past is
-  assembled (left-padded) into a ``DynamicCache``.
+  gathered (left-padded) into a ``DynamicCache``.
 
-The language-model head runs only at the (path, position) pairs some output needs. Each returns
-its outputs' results (:func:`_results`), each path's new KV (``[layers, 2, kv_heads, n_new,
-dim]``) and the KV bytes its attention read; nothing is written into the plan.
+Each takes pool slots for its paths' new tokens and their KV is written there. The
+language-model head runs only at the (path, position) pairs some output needs. Each returns its
+outputs' results (:func:`_results`), each path's new slots (``int64 [n_new]``) and the KV bytes
+its attention read; nothing is written into the plan.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...query import NextToken, Query, Score, Step
 from ...sampling import choose_rows
 from . import tree_attention
-from .past_pool import PastPool
+from .kv_pool import KVPool, run_start
 from .plan import Path
 from .segments import split_segments
 from .tree_cache import TreeCache
@@ -199,20 +201,19 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
     return out, logits.reshape(-1, logits.shape[-1])
 
 
-def _empty_new_kv(layout: tuple, R: int, m: int) -> torch.Tensor:
-    """The buffer a forward writes its new tokens' KV to, ``[layers, 2, R, kv_heads, m, dim]``,
-    laid out path-major so that each path's part is one contiguous block (the KV tree keeps it
-    as it is instead of copying it; see :func:`_split_new_kv`)."""
-    n_layers, heads, dim, dtype, dev = layout
-    block = torch.empty((R, n_layers, 2, heads, m, dim), dtype=dtype, device=dev)
-    return block.permute(1, 2, 0, 3, 4, 5)
+def _new_slots(pool: KVPool, n_new: list[int], m: int) -> np.ndarray:
+    """``int64 [R, m]``: fresh pool slots for each path's new tokens (row-major), the dummy slot
+    0 in its right padding (a padded position's KV is written there and never read unmasked)."""
+    n = np.asarray(n_new, dtype=np.int64)
+    slots = np.zeros((len(n_new), m), dtype=np.int64)
+    slots[np.arange(m)[None, :] < n[:, None]] = pool.alloc(int(n.sum()))
+    return slots
 
 
-def _split_new_kv(n_new: list[int], new_kv: torch.Tensor) -> list[torch.Tensor]:
-    # new_kv: [layers, 2, R, kv_heads, m, dim] -> per path [layers, 2, kv_heads, n_new, dim]
-    # (contiguous when n_new == m: a view of the path-major buffer, no copy)
-    m = new_kv.shape[4]
-    return [kv if n == m else kv[:, :, :, :n] for kv, n in zip(new_kv.unbind(2), n_new)]
+def _split_new_slots(n_new: list[int], slots: np.ndarray) -> list[np.ndarray]:
+    """Each path's new slots ``int64 [n_new]`` (rows of ``slots`` ``[R, m]`` without padding)."""
+    m = slots.shape[1]
+    return [row if n == m else row[:n] for row, n in zip(slots, n_new)]
 
 
 def _outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) -> list:
@@ -220,83 +221,91 @@ def _outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) 
     return _results([o.query for p in paths for o in p.outputs], logits, row_device)
 
 
-def tree_forward(model, rows: list[Path], *, pad_id: int, layout: tuple, min_shared_tokens: int,
-                 kernel: str, pool: PastPool, row_device: torch.device
-                 ) -> tuple[list, list[torch.Tensor], int]:
+def tree_forward(model, rows: list[Path], *, pad_id: int, min_shared_tokens: int,
+                 kernel: str, pool: KVPool, row_device: torch.device
+                 ) -> tuple[list, list[np.ndarray], int]:
     """Forward paths ``rows`` with tree attention; return each output's result (paths' outputs
-    in order), each path's new KV ``[layers, 2, kv_heads, n_new, dim]`` and the KV bytes read
-    (all layers).
+    in order), each path's new slots ``int64 [n_new]`` (KV written in ``pool``) and the KV bytes
+    read (all layers).
 
-    ``layout``: ``(layers, kv_heads, head_dim, dtype, device)`` of the model's KV; ``pool``: the
-    runner's :class:`~.past_pool.PastPool` of private pasts.
+    ``pool``: the runner's :class:`~.kv_pool.KVPool` (the paths' cached KV, and where the new
+    tokens' KV goes).
     """
-    n_layers, heads, dim, dtype, dev = layout
+    dev = pool.device
     input_ids, positions, n_new = _inputs(rows, pad_id)
     R, m = input_ids.shape
     shared, private = split_segments(rows, min_shared_tokens)
+    new_slots = _new_slots(pool, n_new, m)
+    try:
+        # private pasts and new tokens: each layer gathers its rows' keys and values from the
+        # pool with one index (the new tokens' slots written first, by the cache)
+        layout, pads = private.layout(new_slots)
+        P = layout.shape[1] - m
+        mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
+        mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
+        index = out = None
+        if P:
+            # each row's left padding of the private past: columns < pad are masked (one op)
+            mask[:, 0, :, :P] = (torch.arange(P)[None, :]
+                                 >= torch.from_numpy(pads)[:, None])[:, None, :]
+            index = torch.from_numpy(layout.ravel()).to(dev)
+            out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype,
+                              device=dev)
+        segments = []
+        for slots, idx in shared:
+            start = run_start(slots)
+            segments.append(tree_attention.Segment(
+                start, None if start >= 0 else torch.from_numpy(slots).to(dev), len(slots),
+                None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev),
+                len(idx)))
+        batch = tree_attention.TreeBatch(segments, pool,
+                                         torch.from_numpy(new_slots.ravel()).to(dev), index, P,
+                                         mask.to(dev), kernel, out)
+        with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
+            _, logits = _run_model(model, input_ids, positions, _spans(rows), TreeCache(batch))
+    except BaseException:
+        pool.free(new_slots[new_slots > 0])
+        raise
+    read = pool.token_bytes * (sum(len(slots) for slots, _ in shared) + R * P)
+    return _outputs(rows, logits, row_device), _split_new_slots(n_new, new_slots), read
 
-    # private pasts: the pool holds each distinct private segment once (kept across forwards:
-    # a decoding step copies in only the last step's new tokens); each layer lays out its rows'
-    # pasts and new tokens with one index from it, so a layout exists for one layer at a time
-    placed = pool.place(private, m)
-    P = 0 if placed is None else placed[1]
-    mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
-    mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
-    index = out = None
-    if placed is not None:
-        index, _, pads = placed
-        # each row's left padding of the private past: columns < pad are masked (one op)
-        mask[:, 0, :, :P] = (torch.arange(P)[None, :] >= torch.from_numpy(pads)[:, None])[:, None, :]
-        out = torch.empty((2, heads, R * (P + m), dim), dtype=dtype, device=dev)
 
-    segments = [tree_attention.Segment(
-        kv, None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev), len(idx))
-        for kv, idx in shared]
-    new_kv = _empty_new_kv(layout, R, m)
-    batch = tree_attention.TreeBatch(segments, pool if placed is not None else None, index, P,
-                                     mask.to(dev), new_kv, kernel, out)
-    with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
-        _, logits = _run_model(model, input_ids, positions, _spans(rows), TreeCache(batch))
-    token_bytes = n_layers * 2 * heads * dim * new_kv.element_size()
-    read = token_bytes * (sum(kv.shape[3] for kv, _ in shared) + R * P)
-    return _outputs(rows, logits, row_device), _split_new_kv(n_new, new_kv), read
-
-
-def dense_forward(model, rows: list[Path], *, pad_id: int, layout: tuple,
-                  row_device: torch.device) -> tuple[list, list[torch.Tensor], int]:
-    """Forward paths ``rows`` over their assembled pasts (models without the attention
+def dense_forward(model, rows: list[Path], *, pad_id: int, pool: KVPool,
+                  row_device: torch.device) -> tuple[list, list[np.ndarray], int]:
+    """Forward paths ``rows`` over their gathered pasts (models without the attention
     interface); return as :func:`tree_forward` does."""
     from transformers import DynamicCache
 
-    n_layers, heads, dim, dtype, dev = layout
+    dev = pool.device
     input_ids, positions, n_new = _inputs(rows, pad_id)
     R, m = input_ids.shape
     P = max(r.cached for r in rows)
     mask = torch.zeros((R, P + m), dtype=torch.long)
+    past = np.zeros((R, P), dtype=np.int64)  # each path's past slots, left-padded with slot 0
     for i, r in enumerate(rows):
         mask[i, P - r.cached: P + n_new[i]] = 1
+        if r.cached:
+            past[i, P - r.cached:] = np.concatenate([s for _, _, s in r.segments])
     cache = None
     if P:
-        past = torch.empty((n_layers, 2, R, heads, P, dim), dtype=dtype, device=dev)
-        for i, r in enumerate(rows):
-            pos = P - r.cached
-            past[:, :, i, :, :pos].zero_()
-            for _, _, kv in r.segments:
-                past[:, :, i, :, pos: pos + kv.shape[3]].copy_(kv)
-                pos += kv.shape[3]
+        index = torch.from_numpy(past.ravel()).to(dev)
         cache = DynamicCache()
-        for layer in range(n_layers):
-            # start each layer empty, then hand it the assembled past (no second copy)
-            cache.update(past[layer, 0][:, :, :0], past[layer, 1][:, :, :0], layer)
-            cache.layers[layer].keys, cache.layers[layer].values = past[layer, 0], past[layer, 1]
-        del past
-    out, logits = _run_model(model, input_ids, positions, _spans(rows), cache,
-                             None if bool(mask.all()) else mask.to(dev))
-    values = _outputs(rows, logits, row_device)
-    layers = out.past_key_values.layers
-    new_kv = _empty_new_kv(layout, R, m)
-    for j, layer in enumerate(layers):  # the new tokens' KV, one copy
-        new_kv[j, 0].copy_(layer.keys[:, :, P:])
-        new_kv[j, 1].copy_(layer.values[:, :, P:])
-    read = n_layers * 2 * heads * dim * new_kv.element_size() * R * P
-    return values, _split_new_kv(n_new, new_kv), read
+        for layer in range(pool.layers):
+            kv = pool.gather(layer, index).view(2, pool.heads, R, P, pool.dim).transpose(1, 2)
+            # start each layer empty, then hand it the gathered past (no second copy)
+            cache.update(kv[0][:, :, :0], kv[1][:, :, :0], layer)
+            cache.layers[layer].keys, cache.layers[layer].values = kv[0], kv[1]
+    new_slots = _new_slots(pool, n_new, m)
+    try:
+        out, logits = _run_model(model, input_ids, positions, _spans(rows), cache,
+                                 None if bool(mask.all()) else mask.to(dev))
+        values = _outputs(rows, logits, row_device)
+        index = torch.from_numpy(new_slots.ravel()).to(dev)
+        for j, layer in enumerate(out.past_key_values.layers):  # the new tokens' KV, one copy
+            H, D = layer.keys.shape[1], layer.keys.shape[3]
+            pool.write(j, index, layer.keys[:, :, P:].transpose(0, 1).reshape(H, R * m, D),
+                       layer.values[:, :, P:].transpose(0, 1).reshape(H, R * m, D))
+    except BaseException:
+        pool.free(new_slots[new_slots > 0])
+        raise
+    return values, _split_new_slots(n_new, new_slots), pool.token_bytes * R * P

@@ -4,20 +4,21 @@ Every evaluated context leaves its KV in the tree, so a later query that shares 
 only forwards the tokens after the longest cached prefix (extending a particle by one token costs
 one token of forward). This is the radix-tree prefix sharing of SGLang's RadixAttention
 (Zheng et al., 2024, "SGLang: Efficient Execution of Structured Language Model Programs"), kept
-on the Python side over Hugging Face KV tensors.
+on the Python side over a pool of token slots (:class:`.kv_pool.KVPool`).
 
-Layout. A node's edge is a run of tokens; its ``kv`` holds the states of exactly those tokens as
-one tensor of shape ``[n_layers, 2, n_kv_heads, len(edge), head_dim]`` (index 0 keys, 1 values),
-on the model's device and dtype. The states of a context are the concatenation of the ``kv`` of
-the nodes on its path; tree attention (:mod:`.tree_attention`) reads each node's ``kv`` in place,
-once for all the rows of a batch below it.
+Layout. A node's edge is a run of tokens; its ``slots`` (``int64 [len(edge)]``, host memory) are
+the pool slots that hold exactly those tokens' keys and values. The states of a context are the
+pool's slots along its path, in order; tree attention (:mod:`.tree_attention`) reads a shared
+node's slots once for all the rows of a batch below it. Splitting or merging nodes splits or
+joins index arrays: KV never moves.
 
 Adapters. The same tokens under two LoRA adapters have different KV: each adapter (``None``
 for the base model) has its own root, so paths of different adapters never share a node. The
 byte budget and the LRU order are shared by all of them.
 
-Invariants. Stored tensors are never written after insertion (forwards read copies). Node
-``bytes`` sum to ``bytes_held``. The LRU order keeps every parent more recent than its
+Invariants. A slot is owned by one node and never written after its forward (forwards write only
+the slots they took for their new tokens). Node ``bytes`` sum to ``bytes_held``; evicting a node
+returns its slots to the pool. The LRU order keeps every parent more recent than its
 descendants, so one scan from the oldest end meets leaves before their parents. Only leaves that
 are neither pinned (``pin``) nor referenced by a running forward (``acquire``) are evicted.
 
@@ -30,7 +31,7 @@ import operator
 from collections import OrderedDict
 from typing import Sequence
 
-import torch
+import numpy as np
 
 from ...heap import untrack_ids
 from .ends import Ends
@@ -38,22 +39,17 @@ from .segments import prefix_segments
 
 
 class _Node:
-    __slots__ = ("parent", "edge", "kv", "children", "refs", "pinned", "depth", "bytes")
+    __slots__ = ("parent", "edge", "slots", "children", "refs", "pinned", "depth", "bytes")
 
-    def __init__(self, parent, edge: tuple, kv, depth: int):
+    def __init__(self, parent, edge: tuple, slots, depth: int, token_bytes: int = 0):
         self.parent = parent
         self.edge = edge
-        self.kv = kv
+        self.slots = slots  # int64 [len(edge)] pool slots; None for a root and once removed
         self.children: dict[int, _Node] = {}
         self.refs = 0
         self.pinned = False
         self.depth = depth  # tokens from the root to the end of this node's edge
-        self.bytes = 0 if kv is None else kv.numel() * kv.element_size()
-
-    @property
-    def past_key_values(self):
-        """genlm-backend's name of ``kv`` (this node's edge's KV, or None for a root)."""
-        return self.kv
+        self.bytes = 0 if slots is None else len(slots) * token_bytes
 
 
 class KVTree:
@@ -62,6 +58,9 @@ class KVTree:
     Args:
         budget_bytes: most bytes of KV to hold (> 0). Exceeding it after an insertion evicts
             least-recently-used unreferenced leaves until back under budget.
+        pool: the :class:`.kv_pool.KVPool` whose slots the nodes hold (evicted nodes' slots go
+            back to it); None: the tree only indexes (slots are freed nowhere).
+        token_bytes: bytes of KV per token (the pool's, when given).
 
     Raises:
         ValueError: ``budget_bytes`` is not a positive int.
@@ -72,10 +71,13 @@ class KVTree:
     # torch.cat calls it saved)
     MERGE_MIN = 1
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, pool=None, token_bytes: int | None = None):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"kv_budget_bytes must be a positive int, got {budget_bytes!r}")
         self.budget_bytes = budget_bytes
+        self.pool = pool
+        self.token_bytes = (token_bytes if token_bytes is not None
+                            else pool.token_bytes if pool is not None else 1)
         self.root = _Node(None, (), None, 0)  # the base model's root (adapter None)
         self._roots: dict = {None: self.root}
         self._lru: OrderedDict[_Node, None] = OrderedDict()
@@ -115,10 +117,9 @@ class KVTree:
                 then O(1).
 
         Returns:
-            ``(segments, length, holder)``: ``segments`` is the list of ``(node, k, kv)`` whose
-            ``kv`` (the node's first ``k`` tokens, ``[layers, 2, kv_heads, k, head_dim]``; the last
-            one may be a view of part of a node's edge) concatenate along dim 3 to the KV of
-            ``tokens[:length]``; ``holder`` is the deepest node those segments come from
+            ``(segments, length, holder)``: ``segments`` is the list of ``(node, k, slots)``
+            whose ``slots`` (the node's first ``k`` slots, ``int64 [k]``) concatenate to the
+            pool slots of ``tokens[:length]``; ``holder`` is the deepest node those segments come from
             (``acquire`` it to keep them from eviction while they are in use), or the root.
         """
         if type(tokens) is not tuple:
@@ -146,7 +147,7 @@ class KVTree:
             if k == 0:
                 break
             if want:
-                segments.append((child, k, child.kv if k == len(edge) else child.kv[:, :, :, :k]))
+                segments.append((child, k, child.slots if k == len(edge) else child.slots[:k]))
             node, pos = child, pos + k
             if k < len(edge):
                 break
@@ -163,13 +164,14 @@ class KVTree:
 
     # -- insertion ------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], start: int, kv: torch.Tensor, adapter=None,
+    def insert(self, tokens: Sequence[int], start: int, slots: np.ndarray, adapter=None,
                near: _Node | None = None, touch: bool = True) -> _Node:
-        """Store the KV of ``tokens[start:]`` (``kv``'s dim 3 has ``len(tokens) - start`` entries)
-        under ``adapter`` (None: the base model).
+        """Store the pool slots of ``tokens[start:]`` (``slots``: ``int64 [len(tokens) -
+        start]``, whose KV a forward wrote) under ``adapter`` (None: the base model).
 
         ``tokens[:start]`` must be cached already (hold it with ``acquire`` between ``match`` and
-        ``insert``). Parts that another insertion already stored are kept and not duplicated.
+        ``insert``). Parts that another insertion already stored are kept, and the slots of the
+        duplicate tokens go back to the pool.
         ``near``: the holder ``match`` returned for ``tokens[:start]`` (held since): the walk
         starts there instead of comparing the whole cached prefix again from the root (still
         right when an insertion meanwhile split that node's edge). ``touch=False``: leave the
@@ -178,10 +180,9 @@ class KVTree:
         """
         if type(tokens) is not tuple:
             tokens = tuple(tokens)
-        if kv.shape[3] != len(tokens) - start:
+        if len(slots) != len(tokens) - start:
             raise ValueError(
-                f"kv covers {kv.shape[3]} tokens but tokens[start:] has {len(tokens) - start}"
-            )
+                f"slots cover {len(slots)} tokens but tokens[start:] has {len(tokens) - start}")
         node = None
         if near is not None and near.parent is not None:
             edge_start = near.depth - len(near.edge)
@@ -196,8 +197,10 @@ class KVTree:
             if child is None:
                 if pos < start:
                     raise KeyError(f"prefix tokens[:{start}] is not cached (evicted?)")
-                part = kv if pos == start else kv[:, :, :, pos - start:]
-                leaf = _Node(node, untrack_ids(tokens[pos:]), part.contiguous(), len(tokens))
+                if pos > start:  # tokens[start:pos] were stored by another insertion
+                    self._free(slots[:pos - start])
+                leaf = _Node(node, untrack_ids(tokens[pos:]), slots[pos - start:], len(tokens),
+                             self.token_bytes)
                 node.children[tokens[pos]] = leaf
                 self.bytes_held += leaf.bytes
                 node = leaf
@@ -208,19 +211,23 @@ class KVTree:
             if k < len(edge):
                 child = self._split(child, k)
             node, pos = child, pos + k
+        else:  # every token was stored already (by another insertion): its slots go back
+            self._free(slots)
         if touch:
             self._touch(node)
         return node
 
+    def _free(self, slots) -> None:
+        if self.pool is not None and len(slots):
+            self.pool.free(slots)
+
     def _split(self, node: _Node, k: int) -> _Node:
         """Split ``node``'s edge after ``k`` tokens; return the new upper node."""
         parent = node.parent
-        upper = _Node(parent, untrack_ids(node.edge[:k]), node.kv[:, :, :, :k].contiguous(),
-                      node.depth - len(node.edge) + k)
-        lower_kv = node.kv[:, :, :, k:].contiguous()
-        self.bytes_held += upper.bytes + lower_kv.numel() * lower_kv.element_size() - node.bytes
-        node.kv = lower_kv
-        node.bytes = lower_kv.numel() * lower_kv.element_size()
+        upper = _Node(parent, untrack_ids(node.edge[:k]), node.slots[:k],
+                      node.depth - len(node.edge) + k, self.token_bytes)
+        node.slots = node.slots[k:]
+        node.bytes -= upper.bytes
         node.edge = untrack_ids(node.edge[k:])
         node.parent = upper
         upper.children[node.edge[0]] = node
@@ -238,8 +245,9 @@ class KVTree:
         Why: each decoding step or SMC extension inserts a one-token leaf, so without merging a
         path after ``s`` steps has ``s`` nodes and every query's walk, touch and attention
         layout does Python work per generated token. With the geometric rule a chain of ``s``
-        one-token steps keeps O(log s) nodes, and each token's KV is copied O(log s) times in
-        all (amortised; the rule of size-balanced merging, as in log-structured merge trees).
+        one-token steps keeps O(log s) nodes, and each token's slot index is copied O(log s)
+        times in all (amortised; the rule of size-balanced merging, as in log-structured merge
+        trees). Merging joins index arrays only: no KV moves.
         Nodes that are pinned, held (``acquire``) or that branch are never merged away. A
         chain is merged only once at least :attr:`MERGE_MIN` ancestors can join it.
         """
@@ -254,17 +262,17 @@ class KVTree:
         if len(taken) < self.MERGE_MIN:
             return node
         taken.reverse()  # root side first
-        node.kv = torch.cat([n.kv for n in taken] + [node.kv], dim=3)  # (one copy for all)
+        node.slots = np.concatenate([n.slots for n in taken] + [node.slots])
         edge = node.edge
         for n in reversed(taken):
             edge = n.edge + edge
         node.edge = untrack_ids(edge)  # (ints only: no collection need walk it)
-        node.bytes = node.kv.numel() * node.kv.element_size()
+        node.bytes = len(node.slots) * self.token_bytes
         node.parent = up
         up.children[node.edge[0]] = node
         for n in taken:
             del self._lru[n]
-            n.kv, n.children, n.parent = None, {}, None
+            n.slots, n.children, n.parent = None, {}, None
         self.merges += len(taken)
         return node
 
@@ -314,7 +322,7 @@ class KVTree:
         lru = self._lru
         move = lru.move_to_end
         for node in order:
-            if node.kv is not None:  # (not evicted or merged away meanwhile)
+            if node.slots is not None:  # (not evicted or merged away meanwhile)
                 try:
                     move(node)
                 except KeyError:  # inserted with touch=False: not in the LRU yet
@@ -344,7 +352,8 @@ class KVTree:
         del self._lru[node]
         self.bytes_held -= node.bytes
         self.evictions += 1
-        node.kv = None
+        self._free(node.slots)
+        node.slots = None
         return node.bytes
 
     def clear(self, keep_pinned: bool = False) -> None:
@@ -354,8 +363,12 @@ class KVTree:
             for root in self._roots.values():
                 root.children.clear()
             self._roots = {None: self.root}
+            for node in self._lru:
+                node.slots = None
             self._lru.clear()
             self.bytes_held = 0
+            if self.pool is not None:
+                self.pool.clear()
             return
         keep = set()
         for node in self._lru:
@@ -381,7 +394,8 @@ class KVTree:
             del self._lru[node]
             self.bytes_held -= node.bytes
             freed += node.bytes
-            node.kv = None
+            self._free(node.slots)
+            node.slots = None
         root.children.clear()
         return freed
 

@@ -15,6 +15,7 @@ import ctypes
 import os
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ...query import Prefill, Query, Score
@@ -23,7 +24,7 @@ from . import tree_attention
 from .forward import dense_forward, tree_forward
 from .kvtree import KVTree
 from .lora import LoraAdapters
-from .past_pool import PastPool
+from .kv_pool import KVPool
 from .plan import Output, Path, group_paths, plan_batch
 
 
@@ -119,17 +120,16 @@ class HFRunner:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if attention not in ("auto", "tree", "dense"):
             raise ValueError(f"attention must be 'auto', 'tree' or 'dense', got {attention!r}")
-        self.tree = KVTree(kv_budget_bytes)
         self.lora = LoraAdapters(model)
         self.pad_id = pad_id
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_bytes = max_forward_bytes
         self.min_shared_tokens = min_shared_tokens
         self.layout = self._probe_layout()
-        self.pool = PastPool(self.layout)  # private pasts of tree-attention forwards
-        n_layers, heads, dim, dtype, _ = self.layout
-        self.kv_token_bytes = n_layers * 2 * heads * dim * torch.empty((), dtype=dtype).element_size()
-        self._score_bytes = 4 * getattr(model.config, "num_attention_heads", heads)
+        self.pool = KVPool(self.layout)  # every cached token's KV, in slots
+        self.tree = KVTree(kv_budget_bytes, self.pool)
+        self.kv_token_bytes = self.pool.token_bytes
+        self._score_bytes = 4 * getattr(model.config, "num_attention_heads", self.pool.heads)
         self._logit_bytes = 4 * int(getattr(model.config, "vocab_size", 0) or 0)
         reason = tree_attention_support(model)
         if attention == "tree" and reason:
@@ -277,14 +277,13 @@ class HFRunner:
             "evictions": tree.evictions,
             "kv_merges": tree.merges,
             "kv_bytes_read": self.kv_bytes_read,
-            "past_pool_bytes": self.pool.nbytes,
-            "past_pool_columns_copied": self.pool.columns_copied,
+            "kv_pool_bytes": self.pool.nbytes,
+            "kv_pool_slots_used": self.pool.in_use,
             "attention": self.attention,
         }
 
     def clear(self, keep_pinned: bool) -> None:
-        self.tree.clear(keep_pinned=keep_pinned)
-        self.pool.clear()
+        self.tree.clear(keep_pinned=keep_pinned)  # (frees the pool's slots)
         _trim_host_memory()
 
     def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
@@ -307,16 +306,13 @@ class HFRunner:
             query = Prefill(tokens, adapter)
             self._run_pieces(query, self._pieces(query) or [query])
             if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
-                n_layers, heads, dim, dtype, dev = self.layout
-                empty = torch.empty((n_layers, 2, heads, 0, dim), dtype=dtype, device=dev)
-                self.tree.insert(tokens, len(tokens), empty, adapter)
+                self.tree.insert(tokens, len(tokens), np.empty(0, dtype=np.int64), adapter)
             self.tree.pin(tokens, adapter)
         finally:
             self._evict()
 
     def close(self) -> None:
         self.tree.clear()
-        self.pool.clear()
         _trim_host_memory()
 
     # -- adapters --------------------------------------------------------------------------------
@@ -329,7 +325,6 @@ class HFRunner:
         """Drop adapter ``key``'s KV (pinned too) and unload its weights (called under the
         forward lock: none of its queries is computing, so ``error`` has no one to fail)."""
         self.tree.drop_adapter(key)
-        self.pool.clear()
         self.lora.remove(key)
 
     # -- planning and forwards ----------------------------------------------------------------------
@@ -352,10 +347,10 @@ class HFRunner:
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self._score_bytes):
-                values, new_kv = self._forward(group)
+                values, new_slots = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
-                for p, kv in zip(group, new_kv):
-                    node = self.tree.insert(p.tokens, p.cached, kv, p.adapter, near=p.holder,
+                for p, slots in zip(group, new_slots):
+                    node = self.tree.insert(p.tokens, p.cached, slots, p.adapter, near=p.holder,
                                             touch=False)
                     self._inserted.append(node)
                     new.append(node)
@@ -375,7 +370,7 @@ class HFRunner:
         every 64 MiB freed, hand the freed heap back to the OS (the tree's many small node
         tensors live on the heap, which glibc does not shrink itself)."""
         for node in self._inserted:
-            if node.kv is not None and node.parent is not None:  # (not evicted or merged away)
+            if node.slots is not None and node.parent is not None:  # (not evicted or merged away)
                 self.tree.compact(node)
         self._inserted.clear()
         self.tree.ends.rotate()
@@ -386,15 +381,14 @@ class HFRunner:
 
     def _forward(self, group: list[Path]) -> tuple[list, list]:
         """Forward ``group``; return each output's result (paths' outputs in order) and each
-        path's new KV ``[layers, 2, kv_heads, n_new, dim]``."""
+        path's new pool slots ``int64 [n_new]`` (their KV written)."""
         if self.use_tree:
-            values, new_kv, read = tree_forward(self.model, group, pad_id=self.pad_id, layout=self.layout,
-                                min_shared_tokens=self.min_shared_tokens, kernel=self.kernel,
-                                pool=self.pool, row_device=self.row_device)
-            self.pool.trim(self.max_forward_bytes)
+            values, new_kv, read = tree_forward(
+                self.model, group, pad_id=self.pad_id, min_shared_tokens=self.min_shared_tokens,
+                kernel=self.kernel, pool=self.pool, row_device=self.row_device)
         else:
             values, new_kv, read = dense_forward(self.model, group, pad_id=self.pad_id,
-                                                 layout=self.layout, row_device=self.row_device)
+                                                 pool=self.pool, row_device=self.row_device)
         n_new = [r.n_new for r in group]
         self.forwards += 1
         self.tokens_forwarded += sum(n_new)

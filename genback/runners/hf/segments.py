@@ -9,7 +9,8 @@ segment of each path would grow with the generation in Python. So the chains are
 their *union* (each node visited once per forward, by walking up from each holder until a node
 already seen: O(distinct nodes), about two per path in a step) and everything per path and
 segment is done by NumPy over the union: the count of paths through each segment, the pointer
-chase that lists each path's segments, the pool columns (:class:`.past_pool.PastPool`).
+chase that lists each path's segments, and the layout of the private pasts' pool slots
+(:meth:`PrivatePasts.layout`).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ def holder_end(holder: _Node | None, cached: int) -> tuple[_Node | None, int]:
 
 
 def prefix_segments(holder: _Node | None, cached: int) -> list:
-    """The segments ``(node, k, kv)`` from the root down whose ``kv`` concatenate to the KV of
-    a prefix of ``cached`` tokens that :meth:`.kvtree.KVTree.match` ended in ``holder``."""
+    """The segments ``(node, k, slots)`` from the root down whose ``slots`` concatenate to the
+    pool slots of a prefix of ``cached`` tokens that :meth:`.kvtree.KVTree.match` ended in
+    ``holder``."""
     node, k = holder_end(holder, cached)
     segments = []
     while node is not None and node.parent is not None:
-        segments.append((node, k, node.kv if k == len(node.edge) else node.kv[:, :, :, :k]))
+        segments.append((node, k, node.slots if k == len(node.edge) else node.slots[:k]))
         node = node.parent
         k = len(node.edge)
     segments.reverse()
@@ -54,24 +56,65 @@ class PrivatePasts:
     """The private segments of a forward's paths, each distinct one once.
 
     Attributes:
-        kvs: the distinct private segments' KV, each ``[layers, 2, kv_heads, L, dim]`` (a node's
-            own ``kv`` for a whole edge, so that its identity lasts across forwards; a view for
-            part of an edge).
-        lengths: ``int64 [len(kvs)]``, each segment's token count ``L``.
-        chains: ``int64 [R, D]``, each path's private segments (indices into ``kvs``) from the
+        segs: the distinct private segments' pool slots, each ``int64 [L]`` (a node's
+            ``slots``, or their first ``k`` for part of an edge).
+        lengths: ``int64 [len(segs)]``, each segment's token count ``L``.
+        chains: ``int64 [R, D]``, each path's private segments (indices into ``segs``) from the
             root down; ``-1`` where there is none (left of a shorter path's root, and in place
             of its shared segments).
     """
 
-    __slots__ = ("kvs", "lengths", "chains")
+    __slots__ = ("segs", "lengths", "chains")
 
-    def __init__(self, kvs: list, lengths: np.ndarray, chains: np.ndarray):
-        self.kvs, self.lengths, self.chains = kvs, lengths, chains
+    def __init__(self, segs: list, lengths: np.ndarray, chains: np.ndarray):
+        self.segs, self.lengths, self.chains = segs, lengths, chains
 
     def path_lengths(self) -> np.ndarray:
         """``int64 [R]``: each path's private past in tokens."""
         ext = np.append(self.lengths, 0)  # (index -1: no segment)
         return ext[self.chains].sum(axis=1)
+
+    def layout(self, tail: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Each path's private past as one row of pool slots, left-padded with the dummy slot 0
+        to the longest, then ``tail``'s row (e.g. the slots of its new tokens).
+
+        Worked example: paths a, b, c over a tree ``root -[t0..t2]-> X -[t3]-> A`` and
+        ``X -[t3']-> B -[t4]-> C`` where only X is shared (X's slots ``[5, 6, 7]`` are read
+        once for all three; A's ``[8]``, B's ``[9]``, C's ``[12]``): the private chains are
+        a: ``[A]``, b: ``[B]``, c: ``[B, C]``, so with one new token each (tail ``[[20], [21],
+        [22]]``) the layout is ``[[0, 8, 20], [0, 9, 21], [9, 12, 22]]`` and the pads ``[1, 1,
+        0]``.
+
+        Args:
+            tail: ``int64 [R, m]`` or None (nothing after the past).
+
+        Returns:
+            ``(slots, pads)``: ``int64 [R, P + m]`` (``P`` the longest private past) and each
+            path's left padding ``int64 [R]``. Python work is per distinct segment: the rows are
+            expanded by NumPy from ``chains`` (runs of slots per (path, segment)).
+        """
+        chains = self.chains
+        R, D = chains.shape
+        lengths = self.path_lengths()
+        P = int(lengths.max()) if R else 0
+        m = 0 if tail is None else tail.shape[1]
+        pads = P - lengths
+        # runs of slots per (path, segment) into the segments' slots laid end to end, then
+        # slot 0 (the padding: a run of step 0 over it); expanded by NumPy
+        flat = np.concatenate(self.segs + [np.zeros(1, dtype=np.int64)])
+        first = np.append(np.cumsum(self.lengths) - self.lengths, 0)  # (index -1: no segment)
+        seg_len = np.append(self.lengths, 0)
+        starts = np.empty((R, D + 1), dtype=np.int64)
+        runs = np.empty((R, D + 1), dtype=np.int64)
+        steps = np.ones((R, D + 1), dtype=np.int64)
+        starts[:, 0], runs[:, 0], steps[:, 0] = len(flat) - 1, pads, 0
+        starts[:, 1:], runs[:, 1:] = first[chains], seg_len[chains]
+        starts, runs, steps = starts.ravel(), runs.ravel(), steps.ravel()
+        offset = np.arange(R * P, dtype=np.int64) - np.repeat(np.cumsum(runs) - runs, runs)
+        slots = flat[np.repeat(starts, runs) + offset * np.repeat(steps, runs)].reshape(R, P)
+        if tail is not None:
+            slots = np.concatenate([slots, tail], axis=1)
+        return slots, pads
 
 
 def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePasts]:
@@ -88,12 +131,12 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
         paths: matched :class:`.plan.Path` s (``holder`` and ``cached`` set).
 
     Returns:
-        ``(shared, private)``: ``shared`` a list of ``(kv, path indices)``, root side first;
+        ``(shared, private)``: ``shared`` a list of ``(slots, path indices)``, root side first;
         ``private`` the :class:`PrivatePasts` of the other segments.
     """
     # -- the union of the paths' chains: one slot per distinct segment ------------------------
     slot_of: dict = {}  # a node (its whole edge) or (node, k) -> slot
-    kv_of, ks, end_pos, parent = [], [], [], []
+    seg_slots, ks, end_pos, parent = [], [], [], []
     ends = []
     for p in paths:
         cached = p.cached
@@ -105,7 +148,7 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
         s = slot_of.get(key)
         if s is None:
             s = slot_of[key] = len(ks)
-            kv_of.append(node.kv if key is node else node.kv[:, :, :, :k])
+            seg_slots.append(node.slots if key is node else node.slots[:k])
             ks.append(k)
             end_pos.append(cached)
             parent.append(-1)
@@ -116,7 +159,7 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
                     parent[child] = t
                     break
                 t = slot_of[up] = len(ks)
-                kv_of.append(up.kv)
+                seg_slots.append(up.slots)
                 ks.append(len(up.edge))
                 end_pos.append(up.depth)
                 parent.append(-1)
@@ -144,12 +187,12 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
         shared_slots = np.flatnonzero(is_shared)
         shared_slots = shared_slots[np.argsort(np.array(end_pos)[shared_slots], kind="stable")]
         for s in shared_slots.tolist():
-            shared.append((kv_of[s], np.flatnonzero((slots == s).any(axis=1)).tolist()))
+            shared.append((seg_slots[s], np.flatnonzero((slots == s).any(axis=1)).tolist()))
         private_slots = np.flatnonzero(~is_shared).tolist()
     else:
         private_slots = list(range(S))
-    kvs = [kv_of[s] for s in private_slots] if len(private_slots) < S else kv_of
-    private_of = np.full(S + 1, -1, dtype=np.int64)  # slot -> index into kvs (last: no slot)
-    private_of[private_slots] = np.arange(len(kvs))
+    segs = [seg_slots[s] for s in private_slots] if len(private_slots) < S else seg_slots
+    private_of = np.full(S + 1, -1, dtype=np.int64)  # slot -> index into segs (last: no slot)
+    private_of[private_slots] = np.arange(len(segs))
     chains = private_of[slots]  # (a shared segment leaves a -1 hole)
-    return shared, PrivatePasts(kvs, k_np[private_slots], chains)
+    return shared, PrivatePasts(segs, k_np[private_slots], chains)

@@ -8,14 +8,16 @@ cascade attention; SGLang). So a batch of rows that share a prompt attends to th
 one product with all their queries stacked, reading it once, and merges that with each row's own
 (private) past and new tokens.
 
-A forward's layout (built by :mod:`.plan`, one :class:`TreeBatch` per forward):
+A forward's layout (built by :func:`.forward.tree_forward`, one :class:`TreeBatch` per forward;
+all KV lives in the runner's :class:`~.kv_pool.KVPool`):
 
-* ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``);
-* shared segments: tree nodes' KV ``[layers, 2, kv_heads, L, dim]`` read in place, each with the
-  rows below it;
-* a private past per row: the rest of its cached KV, laid out layer by layer together with the
-  row's new tokens from the runner's :class:`~.past_pool.PastPool` into ``[R, kv_heads, P + m,
-  dim]`` (past left-padded and masked, new tokens causal).
+* ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``), whose keys and values
+  each layer first writes into the slots the forward took for them;
+* shared segments (:func:`.segments.split_segments`): tree nodes' slots, read in place where
+  they are one run of the pool, each with the rows below it;
+* a private past per row: the rest of its cached KV, gathered layer by layer together with the
+  row's new tokens from the pool into ``[R, kv_heads, P + m, dim]`` (past left-padded and
+  masked, new tokens causal).
 
 The function is registered with transformers' ``AttentionInterface`` as ``"genback_tree"`` and is
 active only while :func:`active` holds a batch on the calling thread (the runner switches the
@@ -37,32 +39,43 @@ _local = threading.local()
 
 @dataclass
 class Segment:
-    """A shared tree segment: ``kv`` ``[layers, 2, kv_heads, L, dim]`` (a node's KV, read in
-    place) and the rows below it (``rows`` long ``[n]`` on the device, or None for every row)."""
+    """A shared tree segment of ``length`` pool slots: the run ``start ..`` (read in place) when
+    ``index`` is None, else the slots ``index`` (long ``[length]`` on the device, gathered); and
+    the rows below it (``rows`` long ``[n]`` on the device, or None for every row)."""
 
-    kv: torch.Tensor
+    start: int
+    index: torch.Tensor | None
+    length: int
     rows: torch.Tensor | None
     n_rows: int
+
+    def read(self, pool, layer: int) -> torch.Tensor:
+        """``[2, kv_heads, length, dim]``: this segment's keys and values at ``layer``."""
+        if self.index is None:
+            return pool.store[layer, :, :, self.start:self.start + self.length]
+        return pool.gather(layer, self.index)
 
 
 @dataclass
 class TreeBatch:
     """Everything the attention of one forward needs besides the model's own tensors.
 
-    ``pool``: the runner's :class:`~.past_pool.PastPool` holding the rows' private segments, or
-    None (P == 0); ``index``: long ``[R * (P + m)]``, the pool columns of each row's left-padded
-    private past and new tokens (:meth:`PastPool.place`); ``out``: the ``[2, kv_heads,
-    R * (P + m), dim]`` buffer each layer's layout is written to; ``mask``: bool
-    ``[R, 1, m, P + m]`` (True = attend) for the private past and the new tokens; ``new_kv``:
-    ``[layers, 2, R, kv_heads, m, dim]``, filled by the cache with each layer's new keys/values.
+    ``pool``: the runner's :class:`~.kv_pool.KVPool`; ``new_slots``: long ``[R * m]`` on the
+    device, the slots of the rows' new tokens (row-major; a row's padding included), written by
+    the cache (:class:`.tree_cache.TreeCache`) before the layer's attention runs; ``index``: long
+    ``[R * (P + m)]``, each row's left-padded private past and new tokens
+    (:meth:`.segments.PrivatePasts.layout`), or None when no row has a private past (P == 0);
+    ``out``: the ``[2, kv_heads, R * (P + m), dim]`` buffer each layer's layout is gathered
+    into; ``mask``: bool ``[R, 1, m, P + m]`` (True = attend) for the private past and the new
+    tokens.
     """
 
     segments: list[Segment]
-    pool: object | None
+    pool: object
+    new_slots: torch.Tensor
     index: torch.Tensor | None
     P: int
     mask: torch.Tensor
-    new_kv: torch.Tensor
     # "flash": torch's fused attention ops that return the LSE (CPU: 6.5x faster than "math" for
     # 768 stacked queries over a 4,000-token segment, measured); "math": scores materialised
     kernel: str = "flash"
@@ -87,11 +100,15 @@ class TreeBatch:
 
     def keys_values(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Layer ``layer``'s keys and values of every row, private past then new tokens, each
-        ``[R, kv_heads, P + m, dim]``; just ``key`` / ``value`` (the new tokens, ``[R, kv_heads,
-        m, dim]``) when no row has a private past."""
-        if self.pool is None:
+        ``[R, kv_heads, P + m, dim]`` (views of ``out``, one ``index_select`` of the pool); just
+        ``key`` / ``value`` (the new tokens, ``[R, kv_heads, m, dim]``) when no row has a
+        private past."""
+        if self.index is None:
             return key, value
-        return self.pool.layer(layer, key, value, self.index, self.P, self.out)
+        R, H, m, D = key.shape
+        torch.index_select(self.pool.store[layer], 2, self.index, out=self.out)
+        kv = self.out.view(2, H, R, self.P + m, D).transpose(1, 2)
+        return kv[0], kv[1]
 
 
 @contextmanager
@@ -168,7 +185,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     # 1. private past + new tokens, per row (masked: left padding, causal new block)
     k, v = batch.keys_values(layer, key, value)
     if not batch.segments:  # nothing to merge: no LSE needed
-        if batch.pool is None:  # right-padded new tokens only: causal is exact for real ones
+        if batch.index is None:  # right-padded new tokens only: causal is exact for real ones
             out = F.scaled_dot_product_attention(query, k, v, is_causal=m > 1, scale=scale,
                                                  enable_gqa=G > 1)
         else:
@@ -181,7 +198,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
 
     # 2. shared segments: every row below a segment attends to it in one product
     for seg in batch.segments:
-        ks, vs = seg.kv[layer, 0], seg.kv[layer, 1]  # [Hkv, L, D], read in place
+        ks, vs = seg.read(batch.pool, layer)  # [Hkv, L, D] each, in place where a run
         qs = qg if seg.rows is None else qg.index_select(0, seg.rows)
         n = seg.n_rows
         qs = qs.transpose(0, 1).reshape(1, Hkv, n * G * m, D)

@@ -1,9 +1,10 @@
 """``TreeCache``: the transformers ``Cache`` of a tree-attention forward.
 
-Each layer hands it its new keys/values; it writes them once into the forward's ``new_kv``
-buffer (from which the runner stores them in the KV tree) and returns them unchanged, so the
-layer's attention (:func:`~genback.runners.hf.tree_attention.tree_attention`) sees only the new
-tokens' KV and reads the past from the tree itself. Positions are always given explicitly.
+Each layer hands it its new keys/values; it writes them once into the pool slots the forward
+took for its new tokens (:class:`~.kv_pool.KVPool`; the runner then stores those slots in the KV
+tree) and returns them unchanged, so the layer's attention
+(:func:`~genback.runners.hf.tree_attention.tree_attention`) sees the new tokens' KV and reads the
+past from the pool itself. Positions are always given explicitly.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ class TreeCache(Cache):
     def __init__(self, batch: TreeBatch):
         super().__init__(layers=[])
         self.batch = batch
-        self.n_layers = batch.new_kv.shape[0]
+        self.n_layers = batch.pool.layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
-        # key_states / value_states: [R, kv_heads, m, dim]
-        self.batch.new_kv[layer_idx, 0].copy_(key_states)
-        self.batch.new_kv[layer_idx, 1].copy_(value_states)
+        # key_states / value_states: [R, kv_heads, m, dim] -> the pool's [kv_heads, R * m, dim]
+        R, H, m, D = key_states.shape
+        self.batch.pool.write(layer_idx, self.batch.new_slots,
+                              key_states.transpose(0, 1).reshape(H, R * m, D),
+                              value_states.transpose(0, 1).reshape(H, R * m, D))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
