@@ -109,14 +109,51 @@ def contexts_at(prompt: list[int], trace, upto: int) -> list[list[int]]:
     return parts
 
 
-def run_genback(model, tokenizer, prompt, trace, device, batch_window) -> dict:
-    """Time the steps through ``AsyncTransformer``; rows of the last step (copied to the host after
-    the timing): float32 CPU ``[N, V]``."""
+def _profile_steps(lm, prompt, trace, device, k: int = 4) -> dict:
+    """Kernel launches (host runtime calls ``cudaLaunchKernel`` and friends, and graph
+    launches), device kernel time and wall time per step over the trace's first ``k`` steps, on
+    ``lm`` freshly cleared (torch profiler; CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lm.clear_kv_cache()
+    lm.clear_cache()
+    lm.cache_kv(prompt)
+    G._sync(device)
+
+    async def steps():
+        parts = [list(prompt) for _ in trace[0][0]]
+        for parents, tokens in trace[:k]:
+            parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]
+            await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            G._sync(device)
+
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        asyncio.run(steps())
+    wall = time.perf_counter() - t
+    launches = kernel_us = 0.0
+    for e in prof.events():
+        if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                      "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync",
+                      "cudaMemsetAsync"):
+            launches += 1
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += e.device_time
+    k = min(k, len(trace))
+    return {"launches_per_step": launches / k, "gpu_busy_s_per_step": kernel_us * 1e-6 / k,
+            "gpu_busy_fraction": kernel_us * 1e-6 / wall, "profiled_step_s": wall / k}
+
+
+def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
+                profile_steps=False) -> dict:
+    """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
+    to the host after the timing): float32 CPU ``[N, V]``; the host's part of each step (until
+    ``gather`` returns, before the device synchronisation)."""
     from genback.llm import AsyncTransformer
 
     G.reset_peak(device)
-    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window)
-    times, rows = [], None
+    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
+    times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
     G._sync(device)
@@ -129,18 +166,29 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window) -> dict:
             parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]  # untimed
             t = time.perf_counter()
             got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            host.append(time.perf_counter() - t)
             G._sync(device)   # rows are on the device: their kernels are part of the step
             times.append(time.perf_counter() - t)
         rows = torch.stack(got).cpu()
 
+    prof = {}
     try:
         asyncio.run(steps())
         info = lm.cache_info()
+        peak = G.peak_memory(device)
+        if profile_steps and device.type == "cuda":
+            prof = _profile_steps(lm, prompt, trace, device)
     finally:
         lm.close()
-    return {"prefill_s": prefill, "step_s": times, "rows": rows, "peak_bytes": G.peak_memory(device),
-            "attention": info.get("attention"), "forwards": info.get("forwards"),
-            "tokens_forwarded": info.get("tokens_forwarded")}
+    out = {"prefill_s": prefill, "step_s": times, "host_s": float(np.mean(host)), "rows": rows,
+           "peak_bytes": peak, "attention": info.get("attention"),
+           "forwards": info.get("forwards"), "tokens_forwarded": info.get("tokens_forwarded"),
+           "decode": decode, **prof}
+    for k in ("decode_steps", "decode_replays", "decode_captures", "decode_capture_seconds",
+              "decode_graph_bytes"):
+        if k in info:
+            out[k] = info[k]
+    return out
 
 
 @torch.inference_mode()
@@ -216,7 +264,10 @@ def run_cell(model, tokenizer, device, dev_rates, n, p, args, seed) -> dict:
     last = contexts_at(prompt, trace, len(trace) - 1)
     picks = sorted({0, n - 1})
     ref = uncached_rows(model, [last[i] for i in picks], device)
-    results = {"genback": run_genback(model, tokenizer, prompt, trace, device, args.batch_window)}
+    results = {}
+    for i, decode in enumerate(args.genback):
+        results["genback" if i == 0 else f"genback[{decode}]"] = run_genback(
+            model, tokenizer, prompt, trace, device, args.batch_window, decode, args.profile)
     fits, need = loop_fits(model, n, p, args.steps, device)
     cell["loop_kv_bytes"] = need
     if fits and not args.no_loop:
@@ -233,9 +284,9 @@ def run_cell(model, tokenizer, device, dev_rates, n, p, args, seed) -> dict:
                       "roofline_fraction": cell["roofline_s"] / step,
                       "peak_bytes": r["peak_bytes"],
                       "err_vs_uncached": maxerr(r["rows"][picks], ref)}
-        for k in ("attention", "forwards", "tokens_forwarded"):
-            if k in r:
-                cell[name][k] = r[k]
+        for k, v in r.items():
+            if k not in ("rows", "step_s", "prefill_s", "peak_bytes"):
+                cell[name][k] = v
     if "loop" in results:
         cell["err_genback_vs_loop"] = maxerr(results["genback"]["rows"], results["loop"]["rows"])
     for r in results.values():
@@ -251,7 +302,8 @@ def report(cell: dict) -> str:
     lines = [f"N={cell['particles']:4d} P={cell['prompt']:5d}  distinct/step="
              f"{cell['distinct_per_step']:.1f}  roofline/step: mem {cell['roofline_mem_s'] * 1e3:.3f} ms"
              f", flop {cell['roofline_flop_s'] * 1e3:.3f} ms -> {cell['roofline_s'] * 1e3:.3f} ms"]
-    for name in ("genback", "loop"):
+    names = [k for k in cell if k.startswith("genback") and isinstance(cell[k], dict)]
+    for name in names + ["loop"]:
         if name not in cell:
             lines.append(f"  {name:8s} skipped: {cell.get('loop_skipped')}")
             continue
@@ -261,6 +313,17 @@ def report(cell: dict) -> str:
                      f"  prefill {c['prefill_s'] * 1e3:8.1f} ms  peak {gib(c['peak_bytes'])}"
                      f"  err vs uncached {c['err_vs_uncached']:.2e}"
                      + (f"  [{c['attention']}]" if c.get("attention") else ""))
+        if "host_s" in c:
+            extra = f"    host {c['host_s'] * 1e3:.3f} ms/step"
+            if "launches_per_step" in c:
+                extra += (f", launches {c['launches_per_step']:.0f}/step, GPU busy "
+                          f"{c['gpu_busy_s_per_step'] * 1e3:.2f} ms/step "
+                          f"({100 * c['gpu_busy_fraction']:.0f}% of profiled steps)")
+            if "decode_steps" in c:
+                extra += (f", decode steps {c['decode_steps']} (replays {c['decode_replays']}, "
+                          f"{c['decode_captures']} captures in {c['decode_capture_seconds']:.2f} s,"
+                          f" {gib(c['decode_graph_bytes'])})")
+            lines.append(extra)
     if "err_genback_vs_loop" in cell:
         lines.append(f"  max |genback - loop| over all rows of the last step: {cell['err_genback_vs_loop']:.2e}")
     return "\n".join(lines)
@@ -281,6 +344,12 @@ def parse(argv):
     ap.add_argument("--batch-window", type=float, default=0.002,
                     help="AsyncTransformer batch_window in seconds (genback's default: 0.002)")
     ap.add_argument("--no-loop", action="store_true", help="genback only")
+    ap.add_argument("--genback", default="auto",
+                    help="comma list of AsyncTransformer decode modes to run side by side "
+                         "(auto, graphs, eager, off; default auto); the first is reported as "
+                         "'genback', the others as 'genback[mode]'")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: also profile 4 steps per genback run (launches, GPU busy time)")
     ap.add_argument("--json", default=None, help="write the cells (and device facts) here")
     args = ap.parse_args(argv)
     tiny = args.tiny
@@ -291,6 +360,7 @@ def parse(argv):
     args.prompts = [int(x) for x in (args.prompts or dflt[1]).split(",")]
     args.steps = dflt[2] if args.steps is None else args.steps
     args.resample = dflt[3] if args.resample is None else args.resample
+    args.genback = args.genback.split(",")
     if args.steps < 1 or args.resample < 1 or min(args.particles) < 1 or min(args.prompts) < 1:
         ap.error("--steps, --resample, --particles and --prompts must be >= 1")
     return args
@@ -317,7 +387,7 @@ def main(argv=None) -> dict:
             f"{G.weight_bytes(model) / 1e9:.3f} GB")
     print(head, flush=True)
     # warm-up: kernels and allocator, on a short trace through both methods (not reported)
-    wargs = argparse.Namespace(**{**vars(args), "steps": 2, "resample": 1})
+    wargs = argparse.Namespace(**{**vars(args), "steps": 2, "resample": 1, "profile": False})
     run_cell(model, tokenizer, device, rates, 2, 16, wargs, seed=99)
     cells = []
     for p in args.prompts:

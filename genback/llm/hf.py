@@ -52,6 +52,12 @@ class AsyncTransformer(AsyncLM):
             ``"cpu"`` for host rows. Scores (``token_logprobs``, ``score``) are always on the
             CPU. Mind the output cache on a GPU: ``row_cache_size`` rows of ``V`` float32 each
             (1,024 x 128,256 x 4 bytes = 525 MB for a Llama-3 vocabulary).
+        decode: how a uniform decode step (every query one token after a cached context: an
+            SMC or decoding step) runs. ``"auto"`` (default): replayed as a captured CUDA graph
+            per bucket on a CUDA device with tree attention, on the tree path elsewhere;
+            ``"graphs"`` (CUDA only), ``"eager"`` (the graph's static-buffer code without
+            capture, any device) or ``"off"`` (the tree path). See
+            :mod:`genback.runners.hf.decode_step`.
 
     Rows are float32 ``[V]`` on ``row_device``, whatever the model's dtype.
 
@@ -74,6 +80,7 @@ class AsyncTransformer(AsyncLM):
         attention: str = "auto",
         min_shared_tokens: int = 64,
         row_device=None,
+        decode: str = "auto",
     ):
         self.model = hf_model.eval()
         self.device = next(hf_model.parameters()).device
@@ -84,7 +91,7 @@ class AsyncTransformer(AsyncLM):
         runner = HFRunner(hf_model, kv_budget_bytes=kv_budget_bytes,
                           max_batch_tokens=max_batch_tokens, max_forward_bytes=max_forward_bytes,
                           attention=attention, min_shared_tokens=min_shared_tokens,
-                          row_device=row_device)
+                          row_device=row_device, decode=decode)
         super().__init__(
             hf_tokenizer,
             runner,

@@ -113,6 +113,11 @@ class LoraAdapters:
                 self._peft.delete_adapter(self._name(key))
             self._active = "unset"
 
+    @property
+    def loaded(self) -> bool:
+        """Whether any adapter was ever loaded (the model is then wrapped by peft)."""
+        return self._peft is not None
+
     def activate(self, key: int | None) -> None:
         """Make the model's forward use adapter ``key`` (None: the base model)."""
         if key == self._active or self._peft is None:

@@ -21,7 +21,8 @@ import torch
 from ...query import Prefill, Query, Score
 from ...runner import Capabilities
 from . import tree_attention
-from .forward import dense_forward, tree_forward
+from .forward import _outputs, dense_forward, tree_forward
+from .decode_step import DecodeStep, is_uniform
 from .kvtree import KVTree
 from .lora import LoraAdapters
 from .kv_pool import KVPool
@@ -94,9 +95,13 @@ class HFRunner:
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
             ``"dense"``.
         row_device: where next-token rows are returned (None: the model's device).
+        decode: ``"auto"``, ``"graphs"``, ``"eager"`` or ``"off"``: how uniform decode steps
+            run (:mod:`.decode_step`; ``"auto"``: CUDA graphs on a CUDA device with tree
+            attention, else the tree path).
 
     Raises:
-        ValueError: an option out of range, or ``attention="tree"`` on a model without support.
+        ValueError: an option out of range, ``attention="tree"`` on a model without support,
+            or ``decode="graphs"`` off CUDA or without tree attention.
     """
 
     # decoding steps (Step) answered on the model's device; KV in a prefix tree; LoRA by peft
@@ -104,7 +109,8 @@ class HFRunner:
 
     def __init__(self, model, *, pad_id: int = 0, kv_budget_bytes: int | None = None,
                  max_batch_tokens: int = 4096, max_forward_bytes: int | None = None,
-                 min_shared_tokens: int = 64, attention: str = "auto", row_device=None):
+                 min_shared_tokens: int = 64, attention: str = "auto", row_device=None,
+                 decode: str = "auto"):
         self.model = model
         self.device = next(model.parameters()).device
         self.row_device = self.device if row_device is None else _check_device(row_device)
@@ -120,6 +126,8 @@ class HFRunner:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if attention not in ("auto", "tree", "dense"):
             raise ValueError(f"attention must be 'auto', 'tree' or 'dense', got {attention!r}")
+        if decode not in ("auto", "graphs", "eager", "off"):
+            raise ValueError(f"decode must be 'auto', 'graphs', 'eager' or 'off', got {decode!r}")
         self.lora = LoraAdapters(model)
         self.pad_id = pad_id
         self.max_batch_tokens = max_batch_tokens
@@ -140,6 +148,13 @@ class HFRunner:
         self.kernel = "flash"
         if self.use_tree:
             tree_attention.register()
+        cuda = self.device.type == "cuda"
+        if decode == "graphs" and not (cuda and self.use_tree):
+            raise ValueError(f"decode='graphs' needs a CUDA model with tree attention; this one "
+                             f"is on {self.device} with {self.attention} attention")
+        graphs = decode == "graphs" or (decode == "auto" and cuda)
+        self.decode = (DecodeStep(model, self.pool, graphs=graphs)
+                       if self.use_tree and (graphs or decode == "eager") else None)
         self.forwards = 0
         self.tokens_forwarded = 0  # real (unpadded) tokens
         self.padded_tokens_forwarded = 0
@@ -280,6 +295,7 @@ class HFRunner:
             "kv_pool_bytes": self.pool.nbytes,
             "kv_pool_slots_used": self.pool.in_use,
             "attention": self.attention,
+            **(self.decode.stats() if self.decode is not None else {}),
         }
 
     def clear(self, keep_pinned: bool) -> None:
@@ -313,6 +329,8 @@ class HFRunner:
 
     def close(self) -> None:
         self.tree.clear()
+        if self.decode is not None:
+            self.decode.clear()
         _trim_host_memory()
 
     # -- adapters --------------------------------------------------------------------------------
@@ -381,8 +399,21 @@ class HFRunner:
 
     def _forward(self, group: list[Path]) -> tuple[list, list]:
         """Forward ``group``; return each output's result (paths' outputs in order) and each
-        path's new pool slots ``int64 [n_new]`` (their KV written)."""
-        if self.use_tree:
+        path's new pool slots ``int64 [n_new]`` (their KV written). A uniform decode step of
+        the base model goes through :mod:`.decode_step` when it is on and the step fits."""
+        arrays = None
+        if self.decode is not None and not self.lora.loaded and is_uniform(group):
+            arrays = self.decode.layout(group)
+        if arrays is not None:
+            new_slots = arrays[2]
+            try:
+                logits, read = self.decode.run(arrays)
+                values = _outputs(group, logits, self.row_device)
+            except BaseException:
+                self.pool.free(new_slots)
+                raise
+            new_kv = [new_slots[i:i + 1] for i in range(len(group))]
+        elif self.use_tree:
             values, new_kv, read = tree_forward(
                 self.model, group, pad_id=self.pad_id, min_shared_tokens=self.min_shared_tokens,
                 kernel=self.kernel, pool=self.pool, row_device=self.row_device)

@@ -117,7 +117,8 @@ class PrivatePasts:
         return slots, pads
 
 
-def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePasts]:
+def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = False
+                   ) -> tuple[list, PrivatePasts]:
     """Decide which cached segments a forward attends to once for all paths below them.
 
     A segment (a node's first ``k`` tokens) used by ``n >= 2`` paths is shared when it is at
@@ -129,6 +130,8 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
 
     Args:
         paths: matched :class:`.plan.Path` s (``holder`` and ``cached`` set).
+        shared_by_all: share only the segments on every path (the prefix all paths have in
+            common: level 0 of a decode step's cascade, :mod:`.decode_step`), from one path on.
 
     Returns:
         ``(shared, private)``: ``shared`` a list of ``(slots, path indices)``, root side first;
@@ -181,7 +184,10 @@ def split_segments(paths: list, min_shared_tokens: int) -> tuple[list, PrivatePa
 
     # -- shared: used by >= 2 paths and long enough; root side first (by end position) --------
     count = np.bincount(slots[slots >= 0], minlength=S)
-    is_shared = (count >= 2) & (k_np >= min_shared_tokens)
+    if shared_by_all:
+        is_shared = (count == len(paths)) & (k_np >= min_shared_tokens)
+    else:
+        is_shared = (count >= 2) & (k_np >= min_shared_tokens)
     shared = []
     if is_shared.any():
         shared_slots = np.flatnonzero(is_shared)

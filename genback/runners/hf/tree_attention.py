@@ -230,15 +230,16 @@ def register() -> None:
 
 
 @contextmanager
-def use_tree_attention(config):
-    """Switch ``config``'s attention implementation to ``"genback_tree"`` for the block.
+def use_tree_attention(config, name: str = NAME):
+    """Switch ``config``'s attention implementation to ``name`` (``"genback_tree"``, or the
+    decode step's ``"genback_decode"``) for the block.
 
     The switch is local to genback's own forwards (held under the forward lock), so the model
     keeps its own implementation (sdpa, eager, ...) everywhere else. transformers builds no
     mask for an implementation without a registered mask function: the tree batch has its own.
     """
     previous = config._attn_implementation_internal
-    config._attn_implementation_internal = NAME
+    config._attn_implementation_internal = name
     try:
         yield
     finally:

@@ -1,0 +1,320 @@
+"""The uniform decode step: every row one new token after a cached context, replayed as a CUDA graph.
+
+An SMC step or a decoding step asks, for each of ``R`` rows, the next-token logits after a
+context whose KV is cached but for its last token. On a GPU the tree path
+(:func:`.forward.tree_forward`) is launch-bound there: ~40 kernels per layer from transformers'
+modules plus tree attention's, each costing the host ~5-9 us, while the device idles. This
+module runs such a step over **static buffers** (token ids, positions, new slots, a slot table,
+attention biases), so the whole model forward can be captured once per bucket as a CUDA graph
+and replayed with a few copies, as vLLM, SGLang, nano-vllm and gpt-fast do for their decode
+steps. Prefill and mixed batches stay on the tree path.
+
+Attention inside the graph is a fixed **two-level cascade** over the KV pool
+(:class:`~.kv_pool.KVPool`; Hydragen, Juravsky et al. 2024, arXiv 2402.05099; FlashInfer's
+cascade attention):
+
+* level 0: the prefix every row shares (the prompt: the tree's segments on all rows' paths),
+  gathered once per layer and attended by all rows' queries stacked in one product;
+* level 1: each row's own slots (the rest of its context, left-padded with slot 0) and its new
+  token, as a ``[R, W]`` slot table with an additive bias (0 attend, -inf padding);
+* the two merged by log-sum-exp (:func:`.tree_attention._merge`).
+
+Worked example (3 rows after a 4-token prompt in slots 1-4, rows a and b one token on, c two,
+new tokens in slots 9, 10, 11; ``W`` padded to 16, prefix padded to 16)::
+
+    prefix = [1, 2, 3, 4, 0, 0, ...]          bias0 = [0, 0, 0, 0, -inf, ...]
+    table  = [[0, 0, 5, 9, 0, ...],           bias1 = [[-inf, -inf, 0, 0, -inf, ...],
+              [0, 0, 6, 10, 0, ...],                   [-inf, -inf, 0, 0, -inf, ...],
+              [0, 7, 8, 11, 0, ...]]                   [-inf, 0, 0, 0, -inf, ...]]
+
+**Buckets.** Rows are padded to a power of two, the table's width and the prefix to multiples
+of 16 (the alignment CUDA's fused attention asks of a bias): powers of two for the width, 256
+for the prefix. A padded row reads only its own new token (written to the dummy slot 0, never
+read unmasked) and its logits are never read. One graph per ``(rows, width, prefix)`` bucket,
+captured lazily on first use into one memory pool shared by all of them; a capture that fails
+warns once and the runner falls back to the tree path. Graphs are dropped when the pool's store
+grows (their addresses are baked in).
+
+The same code runs eagerly (``graphs=False``, any device): that is what the CPU tests compare
+with the tree path and an uncached forward.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from . import tree_attention
+from .kv_pool import KVPool
+from .segments import split_segments
+from .tree_cache import TreeCache
+
+NAME = "genback_decode"
+
+# most rows x table width a step may have (the level-1 gather is [2, kv_heads, rows * width,
+# head_dim] per layer); wider steps take the tree path
+MAX_TABLE_SLOTS = 1 << 16
+MAX_ROWS = 512
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
+    """``(rows, width, prefix)`` rounded up to their bucket: rows to a power of two, the table's
+    width to a power of two of at least 16, the prefix to a multiple of 256 (0 stays 0)."""
+    return _pow2(rows), max(16, _pow2(width)), -(-prefix // 256) * 256
+
+
+class DecodeBuffers:
+    """The static inputs of one bucket's step (all on the pool's device).
+
+    ``ids`` / ``positions`` long ``[Rb, 1]``; ``new_slots`` long ``[Rb]``; ``table`` long
+    ``[Rb * Wb]`` (row-major slot table, last real column the new token); ``bias1`` ``[Rb, 1,
+    G, Wb]`` of the model's dtype; ``prefix`` long ``[Pb]`` and ``bias0`` ``[1, 1, 1, Pb]`` (None
+    when ``Pb == 0``); ``logits`` float32 ``[Rb, V]``, written by the step.
+    """
+
+    def __init__(self, pool: KVPool, key: tuple[int, int, int], groups: int, vocab: int):
+        Rb, Wb, Pb = key
+        dev, dt = pool.device, pool.dtype
+        self.pool = pool
+        self.key = key
+        self.ids = torch.zeros((Rb, 1), dtype=torch.long, device=dev)
+        self.positions = torch.zeros((Rb, 1), dtype=torch.long, device=dev)
+        self.new_slots = torch.zeros(Rb, dtype=torch.long, device=dev)
+        self.table = torch.zeros(Rb * Wb, dtype=torch.long, device=dev)
+        self.bias1 = torch.zeros((Rb, 1, groups, Wb), dtype=dt, device=dev)
+        self.prefix = torch.zeros(Pb, dtype=torch.long, device=dev) if Pb else None
+        self.bias0 = torch.zeros((1, 1, 1, Pb), dtype=dt, device=dev) if Pb else None
+        self.logits = torch.zeros((Rb, vocab), dtype=torch.float32, device=dev)
+
+    def fill(self, ids, positions, new_slots, table, pads, n_real, prefix) -> None:
+        """Copy one step's host arrays in: ``ids`` / ``positions`` / ``new_slots`` ``int64
+        [R]``, ``table`` ``int64 [R, W]`` (left-padded, new slot last), ``pads`` ``int64 [R]``
+        (padding columns per row), ``n_real`` the table's width ``W``, ``prefix`` ``int64 [P]``.
+        One host-to-device copy per buffer; the biases are built on the device."""
+        Rb, Wb, Pb = self.key
+        R = len(ids)
+        dev = self.ids.device
+        host = np.zeros((3, Rb), dtype=np.int64)
+        host[0, :R], host[1, :R], host[2, :R] = ids, positions, new_slots
+        host_t = torch.from_numpy(host).to(dev, non_blocking=False)
+        self.ids.copy_(host_t[0, :, None])
+        self.positions.copy_(host_t[1, :, None])
+        self.new_slots.copy_(host_t[2])
+        full = np.zeros((Rb, Wb), dtype=np.int64)
+        full[:R, :n_real] = table
+        self.table.copy_(torch.from_numpy(full.ravel()).to(dev))
+        # level 1: a real row attends its columns from its padding on up to W; a padded row its
+        # last real column only (its own new token, in slot 0)
+        first = np.full(Rb, n_real - 1, dtype=np.int64)
+        first[:R] = pads
+        lo = torch.from_numpy(first).to(dev)
+        col = torch.arange(Wb, device=dev)
+        keep = (col[None, :] >= lo[:, None]) & (col[None, :] < n_real)
+        self.bias1.copy_(torch.zeros((), dtype=self.bias1.dtype, device=dev).masked_fill(
+            ~keep, float("-inf"))[:, None, None, :].expand_as(self.bias1))
+        if Pb:
+            P = len(prefix)
+            padded = np.zeros(Pb, dtype=np.int64)
+            padded[:P] = prefix
+            self.prefix.copy_(torch.from_numpy(padded).to(dev))
+            self.bias0.fill_(float("-inf"))
+            self.bias0[..., :P] = 0
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """The ``"genback_decode"`` attention function (transformers' attention-interface signature).
+
+    query: [Rb, Hq, 1, D]; key/value: [Rb, Hkv, 1, D] (already written to the pool by the cache).
+    Returns ``(out [Rb, 1, Hq, D], None)``.
+
+    Raises:
+        RuntimeError: called with no decode step active.
+    """
+    b = tree_attention.current()
+    if not isinstance(b, DecodeBuffers):
+        raise RuntimeError("genback_decode attention was called outside a genback decode step")
+    layer = module.layer_idx
+    Rb, Hq, _, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    Wb = b.key[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    store = b.pool.store[layer]  # [2, Hkv, capacity, D]
+    qg = query.reshape(Rb, Hkv, G, D)  # head h reads KV head h // G
+    kv = store.index_select(2, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
+    out, lse = tree_attention._attend(qg, kv[0], kv[1], scale, "flash", b.bias1)
+    if b.prefix is not None:  # level 0: the shared prefix, read once for all rows
+        kv0 = store.index_select(2, b.prefix)  # [2, Hkv, Pb, D]
+        q0 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
+        bias0 = b.bias0.expand(1, 1, Rb * G, -1)
+        o0, l0 = tree_attention._attend(q0, kv0[0][None], kv0[1][None], scale, "flash", bias0)
+        o0 = o0[0].reshape(Hkv, Rb, G, D).transpose(0, 1)
+        l0 = l0[0].reshape(Hkv, Rb, G).transpose(0, 1)
+        out, lse = tree_attention._merge(out.float(), lse, o0.float(), l0)
+    out = out.to(query.dtype).reshape(Rb, Hq, 1, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register :func:`decode_attention` with transformers' ``AttentionInterface`` (idempotent)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, decode_attention)
+        _registered = True
+
+
+def is_uniform(group) -> bool:
+    """Whether planned paths ``group`` are a uniform decode step: each path forwards one token
+    after a cached context and answers one next-token row or decoding step at its end."""
+    from ...query import NextToken, Step
+
+    for p in group:
+        if p.n_new != 1 or p.cached == 0 or len(p.outputs) != 1:
+            return False
+        o = p.outputs[0]
+        if o.end != len(p.tokens) or type(o.query) not in (NextToken, Step):
+            return False
+    return True
+
+
+class DecodeStep:
+    """Runs uniform decode steps over static buffers; on CUDA replays one captured graph per
+    bucket.
+
+    Args:
+        model: the causal LM (transformers, attention interface).
+        pool: the runner's :class:`~.kv_pool.KVPool`.
+        graphs: capture and replay CUDA graphs (False: run the same code eagerly).
+        max_graphs: most graphs kept; further buckets run eagerly.
+
+    Attributes (statistics): ``steps``, ``replays``, ``captures``, ``capture_seconds``,
+    ``graph_bytes`` (device memory reserved by captures), ``failed`` (the capture error, once).
+    """
+
+    def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32):
+        self.model = model
+        self.pool = pool
+        self.graphs_on = graphs
+        self.max_graphs = max_graphs
+        cfg = model.config
+        heads = getattr(cfg, "num_attention_heads", pool.heads)
+        self.groups = max(1, heads // pool.heads)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.buffers: dict[tuple, DecodeBuffers] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._mempool = None
+        self._version = pool.version
+        self.steps = self.replays = self.captures = 0
+        self.capture_seconds = 0.0
+        self.graph_bytes = 0
+        self.failed: str | None = None
+        register()
+
+    def stats(self) -> dict:
+        return {"decode_steps": self.steps, "decode_replays": self.replays,
+                "decode_graphs": len(self.graphs), "decode_captures": self.captures,
+                "decode_capture_seconds": round(self.capture_seconds, 4),
+                "decode_graph_bytes": self.graph_bytes}
+
+    def clear(self) -> None:
+        """Drop every graph and buffer (their memory goes back to the allocator)."""
+        self.graphs.clear()
+        self.buffers.clear()
+        self._mempool = None
+
+    def layout(self, group) -> tuple | None:
+        """The step's host arrays, or None when it is too wide for this path: ``(ids,
+        positions, new_slots, table, pads, prefix)`` (see :meth:`DecodeBuffers.fill`; new slots
+        are taken from the pool here)."""
+        R = len(group)
+        if R > MAX_ROWS:
+            return None
+        shared, private = split_segments(group, 1, shared_by_all=True)
+        prefix = (np.concatenate([s for s, _ in shared]) if shared
+                  else np.empty(0, dtype=np.int64))
+        width = int(private.path_lengths().max()) + 1 if R else 1
+        if _pow2(R) * max(16, _pow2(width)) > MAX_TABLE_SLOTS:
+            return None
+        new_slots = self.pool.alloc(R)
+        table, pads = private.layout(new_slots[:, None])
+        ids = np.fromiter((p.tokens[-1] for p in group), dtype=np.int64, count=R)
+        positions = np.fromiter((p.cached for p in group), dtype=np.int64, count=R)
+        return ids, positions, new_slots, table, pads, prefix
+
+    def run(self, arrays) -> tuple[torch.Tensor, int]:
+        """Run one step from :meth:`layout`'s arrays; return the rows' logits float32 ``[R, V]``
+        (a view of the bucket's static buffer: read it before the next step) and the KV bytes
+        attention read."""
+        ids, positions, new_slots, table, pads, prefix = arrays
+        R, W = table.shape
+        if self.pool.version != self._version:  # the store moved: graphs hold its old address
+            self.clear()
+            self._version = self.pool.version
+        key = bucket(R, W, len(prefix))
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
+        buf.fill(ids, positions, new_slots, table, pads, W, prefix)
+        self.steps += 1
+        graph = self.graphs.get(key)
+        if graph is None and self.graphs_on and self.failed is None \
+                and len(self.graphs) < self.max_graphs:
+            graph = self._capture(buf)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+        else:
+            self._forward(buf)
+        return buf.logits[:R], self.pool.token_bytes * (len(prefix) + R * (W - 1))
+
+    def _forward(self, buf: DecodeBuffers) -> None:
+        model = self.model
+        with torch.inference_mode(), tree_attention.active(buf), \
+                tree_attention.use_tree_attention(model.config, NAME):
+            out = model(input_ids=buf.ids, position_ids=buf.positions,
+                        past_key_values=TreeCache(buf), use_cache=True, logits_to_keep=1)
+            buf.logits.copy_(out.logits[:, -1])
+
+    def _capture(self, buf: DecodeBuffers):
+        """Capture ``buf``'s bucket (after one eager warm-up run on a side stream, which also
+        computes this step); None, with one warning, when capture fails."""
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.pool.device)
+        stream = torch.cuda.Stream(self.pool.device)
+        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        try:
+            with torch.cuda.stream(stream):
+                self._forward(buf)  # warm-up (lazy initialisations happen outside capture)
+            torch.cuda.current_stream(self.pool.device).wait_stream(stream)
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                self._forward(buf)
+        except Exception as exc:  # noqa: BLE001 (any capture failure falls back)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"genback: capturing the decode step as a CUDA graph failed; running "
+                          f"it without graphs ({self.failed})", RuntimeWarning, stacklevel=2)
+            torch.cuda.synchronize(self.pool.device)
+            return None
+        self.graphs[buf.key] = graph
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
+        self.graph_bytes += torch.cuda.memory_reserved(self.pool.device) - before
+        return graph
+
+
+__all__ = ["DecodeStep", "DecodeBuffers", "bucket", "decode_attention", "is_uniform"]

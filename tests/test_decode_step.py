@@ -1,0 +1,212 @@
+"""The uniform decode step (genback.runners.hf.decode_step): the static-buffer two-level cascade
+run eagerly on the CPU against the tree path and an uncached forward, on the tiny random GPT-2
+and the real SmolLM2; which steps take it (counted), its buckets, and its slot layout."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from genback.llm import AsyncTransformer
+from genback.runners.hf.decode_step import MAX_ROWS, bucket
+
+from test_llm_tree import _max_err, _smc_trace
+
+
+def test_buckets_pad_rows_to_powers_of_two_and_align_the_biases():
+    assert bucket(1, 1, 0) == (1, 16, 0)
+    assert bucket(3, 17, 1) == (4, 32, 256)
+    assert bucket(256, 33, 1000) == (256, 64, 1024)
+    assert bucket(257, 16, 4000) == (512, 16, 4096)
+    for r, w, p in [(5, 9, 300), (100, 200, 4097)]:
+        rb, wb, pb = bucket(r, w, p)
+        assert rb >= r and wb >= w and pb >= p and wb % 16 == 0 and pb % 16 == 0
+
+
+def _run_trace(lm, trace, refs, extra_rng=None):
+    async def run():
+        worst = 0.0
+        for contexts in trace:
+            batch = list(contexts)
+            if extra_rng is not None:  # a context of another length: not a uniform step
+                c = extra_rng.choice(contexts)
+                batch.append(c[: extra_rng.randrange(1, len(c))])
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in batch))
+            worst = max(worst, _max_err(rows, batch, lm, refs))
+        return worst
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("prompt_len,particles,resample", [(70, 12, 3), (5, 1, 2), (300, 40, 4)])
+def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, prompt_len,
+                                                             particles, resample):
+    """SMC with resampling over a shared prompt: every step after the first is a uniform decode
+    step (counted), every row equals an uncached forward and the tree path's row (<= 1e-5: the
+    cascade splits the keys otherwise, so sums round otherwise), and
+    both paths forward the same tokens in the same number of forwards."""
+    trace = _smc_trace(random.Random(prompt_len), prompt_len, particles, 10, resample, 50)
+    got = {}
+    for decode in ("eager", "off"):
+        lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                              decode=decode)
+        try:
+            lm.cache_kv(trace[0][0][:-1])
+            refs: dict = {}
+            assert _run_trace(lm, trace, refs) <= 1e-5
+            info = lm.cache_info()
+            got[decode] = (info["forwards"], info["tokens_forwarded"])
+            rows = [lm.next_token_logprobs_sync(c) for c in trace[-1][:3]]
+            got[decode + " rows"] = torch.stack(rows)
+            if decode == "eager":
+                assert info["decode_steps"] == len(trace) and info["decode_replays"] == 0
+            else:
+                assert "decode_steps" not in info
+        finally:
+            lm.close()
+    assert got["eager"] == got["off"]
+    torch.testing.assert_close(got["eager rows"], got["off rows"], rtol=0, atol=1e-5)
+
+
+def test_mixed_batches_and_eviction_take_the_tree_path_and_stay_exact(tiny_hf, gpt2_tok):
+    """Steps with an extra context of another length are not uniform (the tree path), a tiny KV
+    budget evicts in the middle of the run (recomputed contexts), and every row stays exact."""
+    rng = random.Random(3)
+    trace = _smc_trace(rng, 40, 8, 12, 3, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode="eager", kv_budget_bytes=120 * 2 * 2 * 64 * 4)
+    try:
+        assert _run_trace(lm, trace, {}, extra_rng=rng) <= 1e-5
+        assert lm.cache_info()["decode_steps"] < len(trace)
+        assert lm.cache_info()["evictions"] > 0
+    finally:
+        lm.close()
+
+
+def test_wide_steps_fall_back_to_the_tree_path(tiny_hf, gpt2_tok):
+    """More rows than the decode step takes (MAX_ROWS) go through the tree path, exactly."""
+    prompt = list(range(300, 340))
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.2, row_cache_size=0, decode="eager")
+    try:
+        lm.cache_kv(prompt)
+        parts = [prompt + [i % 400, i // 400] for i in range(MAX_ROWS + 1)]
+        lm.batch_next_token_logprobs_sync([p[:-1] for p in parts])
+        before = lm.cache_info()["decode_steps"]
+        rows = lm.batch_next_token_logprobs_sync(parts)
+        assert lm.cache_info()["decode_steps"] == before  # (one forward of 513 rows: tree)
+        assert _max_err(rows[:4], parts[:4], lm) <= 1e-5
+    finally:
+        lm.close()
+
+
+def test_decode_option_is_checked(tiny_hf, gpt2_tok):
+    with pytest.raises(ValueError, match="decode must be"):
+        AsyncTransformer(tiny_hf, gpt2_tok, decode="fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="decode='graphs' needs a CUDA model"):
+            AsyncTransformer(tiny_hf, gpt2_tok, decode="graphs")
+
+
+def test_smollm2_eager_decode_steps_equal_uncached(module_smol_lm, smol_hf):
+    """The real model (Llama architecture, grouped-query attention): 8 particles over a
+    50-token prompt, 6 steps with resampling, on the eager decode path: every row within 1e-4
+    of an uncached forward."""
+    model, tok = smol_hf
+    trace = _smc_trace(random.Random(11), 50, 8, 6, 2, 2000)
+    lm = AsyncTransformer(model, tok, batch_window=0.05, row_cache_size=0, decode="eager")
+    try:
+        lm.cache_kv(trace[0][0][:-1])
+        assert _run_trace(lm, trace, {}) <= 1e-4
+        assert lm.cache_info()["decode_steps"] == len(trace)
+    finally:
+        lm.close()
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA GPU (none visible to torch)")
+
+
+@pytest.fixture
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _llama(vocab: int, device: str, dtype: torch.dtype):
+    """A random 2-layer Llama with grouped-query attention (4 query heads over 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _steps(lm, trace):
+    async def run():
+        out = []
+        for contexts in trace:
+            out.append(torch.stack(await asyncio.gather(
+                *(lm.next_token_logprobs(c) for c in contexts))).float().cpu())
+        return out
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_grouped_query_llama_decode_steps_equal_uncached(gpt2_tok, no_tf32, device):
+    """A Llama with grouped queries, fp32 (TF32 off): SMC over a 300-token prompt (level 0
+    padded to 512) with resampling. On the CPU the eager decode step; on CUDA the captured
+    graphs (counted replays), equal to the eager run of the same code on the same inputs and
+    within 1e-4 of an uncached forward on every cached path."""
+    model = _llama(len(gpt2_tok), device, torch.float32)
+    trace = _smc_trace(random.Random(5), 300, 24, 12, 3, 400)
+    modes = ["eager"] + (["graphs"] if device == "cuda" else [])
+    rows = {}
+    for mode in modes:
+        lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                              decode=mode, row_device="cpu")
+        try:
+            lm.cache_kv(trace[0][0][:-1])
+            rows[mode] = _steps(lm, trace)
+            info = lm.cache_info()
+            assert info["decode_steps"] == len(trace)
+            if mode == "graphs":
+                assert info["decode_replays"] == len(trace) and info["decode_captures"] >= 1
+                assert info["decode_graph_bytes"] >= 0
+            for i in (0, len(trace) // 2, len(trace) - 1):
+                for j in (0, len(trace[i]) - 1):
+                    ref = lm.next_token_logprobs_uncached(trace[i][j]).float().cpu()
+                    assert float((rows[mode][i][j] - ref).abs().max()) <= 1e-4
+        finally:
+            lm.close()
+    if "graphs" in rows:
+        for a, b in zip(rows["graphs"], rows["eager"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@CUDA
+def test_captured_decode_steps_in_bf16_are_no_worse_than_dense(gpt2_tok):
+    """bf16 on CUDA: the captured steps' rows are no further from the fp32 model's uncached rows
+    than 2x an uncached bf16 forward is (both are bf16 roundings of the same sums)."""
+    model32 = _llama(len(gpt2_tok), "cuda", torch.float32)
+    model16 = _llama(len(gpt2_tok), "cuda", torch.bfloat16)
+    trace = _smc_trace(random.Random(9), 200, 16, 6, 2, 400)
+    lm = AsyncTransformer(model16, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode="graphs", row_device="cpu")
+    try:
+        lm.cache_kv(trace[0][0][:-1])
+        rows = _steps(lm, trace)[-1]
+        assert lm.cache_info()["decode_replays"] == len(trace)
+        with torch.inference_mode():
+            for j in (0, len(trace[-1]) - 1):
+                ids = torch.tensor([trace[-1][j]], device="cuda")
+                ref = torch.log_softmax(model32(ids).logits[0, -1].float(), -1).cpu()
+                dense = torch.log_softmax(model16(ids).logits[0, -1].float(), -1).cpu()
+                assert (rows[j] - ref).abs().max() <= 2 * (dense - ref).abs().max()
+    finally:
+        lm.close()
