@@ -152,15 +152,51 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     kv = store.index_select(2, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
     out, lse = tree_attention._attend(qg, kv[0], kv[1], scale, "flash", b.bias1)
     if b.prefix is not None:  # level 0: the shared prefix, read once for all rows
-        kv0 = store.index_select(2, b.prefix)  # [2, Hkv, Pb, D]
-        q0 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
-        bias0 = b.bias0.expand(1, 1, Rb * G, -1)
-        o0, l0 = tree_attention._attend(q0, kv0[0][None], kv0[1][None], scale, "flash", bias0)
-        o0 = o0[0].reshape(Hkv, Rb, G, D).transpose(0, 1)
-        l0 = l0[0].reshape(Hkv, Rb, G).transpose(0, 1)
-        out, lse = tree_attention._merge(out.float(), lse, o0.float(), l0)
+        o0, l0 = _prefix_attention(store, b, qg, scale)
+        out, lse = tree_attention._merge(out.float(), lse, o0, l0)
     out = out.to(query.dtype).reshape(Rb, Hq, 1, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+# a fused attention kernel works on tiles of 64 queries: fewer than this many (kv head, query
+# tile) pairs leave most of an H100's 132 multiprocessors idle, so the prefix is split
+SPLIT_TARGET_BLOCKS = 128
+
+
+def _splits(Pb: int, Hkv: int, queries: int) -> int:
+    """How many chunks of the padded prefix ``Pb`` (a multiple of 256) level 0 attends to in
+    parallel: enough (kv head, query tile, chunk) triples to fill the device, each chunk of at
+    least 256 keys, and every chunk holding a real key (the prefix's padding is < 256)."""
+    tiles = Hkv * -(-queries // 64)
+    return max(1, min(Pb // 256, SPLIT_TARGET_BLOCKS // tiles))
+
+
+def _prefix_attention(store, b: "DecodeBuffers", qg, scale: float):
+    """Level 0: every row's queries over the shared prefix, split into chunks attended in
+    parallel and merged by log-sum-exp (split-K, FlashAttention's "flash-decoding", Dao et al.
+    2023), returning float32 ``(out [Rb, Hkv, G, D], lse [Rb, Hkv, G])``.
+
+    qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` and bias ``b.bias0``."""
+    Rb, Hkv, G, D = qg.shape
+    Pb = b.prefix.shape[0]
+    S = _splits(Pb, Hkv, Rb * G)
+    C = Pb // S
+    kv0 = store.index_select(2, b.prefix)  # [2, Hkv, Pb, D]
+    k0 = kv0[0].view(Hkv, S, C, D).transpose(0, 1)  # [S, Hkv, C, D]
+    v0 = kv0[1].view(Hkv, S, C, D).transpose(0, 1)
+    q0 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
+    if S > 1:
+        q0 = q0.expand(S, -1, -1, -1).contiguous()
+    bias0 = b.bias0.view(S, 1, 1, C).expand(S, 1, Rb * G, C)
+    o0, l0 = tree_attention._attend(q0, k0, v0, scale, "flash", bias0)  # [S, Hkv, RbG, D]
+    if S > 1:
+        total = torch.logsumexp(l0, dim=0)  # [Hkv, RbG]
+        o0 = (torch.exp(l0 - total)[..., None] * o0.float()).sum(dim=0)
+        l0 = total
+    else:
+        o0, l0 = o0[0].float(), l0[0]
+    o0 = o0.reshape(Hkv, Rb, G, D).transpose(0, 1)
+    return o0, l0.reshape(Hkv, Rb, G).transpose(0, 1)
 
 
 _registered = False
