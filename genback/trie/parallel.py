@@ -223,7 +223,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         return self._finish(self._run(self._as_device_matrix(W, "W", True), "max"), as_numpy)
 
     def batch_weight_logsumexp(self, W, as_numpy: bool = False):
-        """Log-sum-exp below every node, max-shifted per level: ``(B, V)`` -> ``(B, num_nodes)``."""
+        """Log-sum-exp below every node (``logaddexp`` of tree pairs, max-shifted ``logsumexp`` of
+        grouped blocks): ``(B, V)`` -> ``(B, num_nodes)``."""
         return self._finish(self._run(self._as_device_matrix(W, "W", True), "logsumexp"), as_numpy)
 
     def weight_sum(self, ws, as_numpy: bool = False):
