@@ -21,7 +21,7 @@ block's column. One call (``run``):
 
 1. per tree level one elementwise kernel (``add`` / ``maximum`` / ``logaddexp``) of the level
    below's strided even and odd columns, written into the level's columns (``log2 V`` kernels);
-2. one ``index_select`` of every segment's block columns into ``X`` ``(b, T)``: segments grouped
+2. one gather (``index_select``) of every segment's block columns into ``X`` ``(b, T)``: segments grouped
    by block count, each group padded with ``pad`` to its largest count ``K`` (groups are chosen
    so the padding stays near the real work; cl100k: 4 groups, ~10 % padding);
 3. per group one dense reduction of ``X``'s ``(b, n, K)`` view along its last dimension into the
@@ -44,7 +44,7 @@ import torch
 
 from .blocks import BlockPlan
 
-__all__ = ["DeviceBlocks", "make_device_blocks", "run_device_blocks"]
+__all__ = ["DeviceBlocks", "gather_columns", "make_device_blocks", "run_device_blocks"]
 
 _BINARY = {"sum": torch.add, "max": torch.maximum, "logsumexp": torch.logaddexp}
 _IDENTITY = {"sum": 0.0, "max": -float("inf"), "logsumexp": -float("inf")}
@@ -142,6 +142,20 @@ def make_device_blocks(plan: BlockPlan, node_start: np.ndarray, device: torch.de
                         t(node_src))
 
 
+def gather_columns(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[:, j] = src[:, index[j]]`` for ``src`` ``(b, C)``, ``index`` ``(n,)`` int64 and
+    ``out`` ``(b, n)`` of ``src``'s dtype (any strides with unit column stride).
+
+    One ``index_select`` kernel on a GPU; on the CPU one 1-D ``index_select`` per row, which runs
+    ~1.5-3x faster there than torch's 2-D column gather (measured at 32 rows of GPT-2's widths).
+    """
+    if src.device.type == "cpu" and src.shape[0] > 1:
+        for i in range(src.shape[0]):
+            torch.index_select(src[i], 0, index, out=out[i])
+    else:
+        torch.index_select(src, 1, index, out=out)
+
+
 def run_device_blocks(db: DeviceBlocks, E: torch.Tensor, X: torch.Tensor, op: str) -> None:
     """Fill the tree and segment columns of ``E`` ``(b, R)`` from its leaf columns ``E[:, :V]``.
 
@@ -155,7 +169,7 @@ def run_device_blocks(db: DeviceBlocks, E: torch.Tensor, X: torch.Tensor, op: st
     if not db.groups:
         return
     E[:, db.pad].fill_(_IDENTITY[op])
-    torch.index_select(E, 1, db.terms, out=X)
+    gather_columns(E, db.terms, X)
     for x_lo, n, K, e_lo in db.groups:
         x = X[:, x_lo : x_lo + n * K].unflatten(1, (n, K))
         dst = E[:, e_lo : e_lo + n]

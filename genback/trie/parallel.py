@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from .base import TokenCharacterTrie
-from .device_blocks import make_device_blocks, run_device_blocks
+from .device_blocks import gather_columns, make_device_blocks, run_device_blocks
 from .weights import check_weight_dtype
 
 __all__ = ["ParallelTokenCharacterTrie"]
@@ -195,19 +195,19 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
                     warnings.warn(f"{type(self).__name__}: CUDA graph capture failed ({e}); "
                                   "running without CUDA graphs", RuntimeWarning, stacklevel=4)
                 else:
-                    torch.index_select(E, 1, db.node_src, out=out)
+                    gather_columns(E, db.node_src, out)
                     return
         b = Wc.shape[0]
         E = torch.empty((b, db.num_columns), dtype=self.dtype, device=self.device)
         self._load(E, Wc)
         run_device_blocks(db, E, torch.empty((b, db.num_terms), dtype=self.dtype, device=self.device), op)
-        torch.index_select(E, 1, db.node_src, out=out)
+        gather_columns(E, db.node_src, out)
 
     def _load(self, E: torch.Tensor, Wc: torch.Tensor) -> None:
         """Gather the weights ``Wc`` ``(b, V)`` into leaf order, ``E[:, :V]`` (cast to ``dtype``)."""
         leaves = E[:, : self.num_tokens]
         if Wc.dtype == self.dtype:
-            torch.index_select(Wc, 1, self._blocks_dev.order, out=leaves)
+            gather_columns(Wc, self._blocks_dev.order, leaves)
         else:
             leaves.copy_(torch.index_select(Wc, 1, self._blocks_dev.order))
 
