@@ -10,7 +10,7 @@ for B = 1), for:
 
 * ``genback-f64`` / ``genback-f32``: ``ParallelTokenCharacterTrie(device, dtype)``, results left
   on the device (the caller decides when to copy);
-* ``genback-f64-eager`` (CUDA only): ``cuda_graphs=False``, the level loop's kernels launched
+* ``genback-f64-eager`` (CUDA only): ``cuda_graphs=False``, the reduction's kernels launched
   one by one instead of replayed as CUDA graphs;
 * ``genback-f64-host``: the same with ``as_numpy=True`` (results copied to the host, as
   genlm-backend always does);
@@ -23,7 +23,11 @@ runs, each synchronised on CUDA. Exactness: the largest relative error
 ``|x - ref| / max(|ref|, 1e-300)`` over every node and row, against genback's CPU
 ``TokenCharacterTrie`` in float64 (genlm's nodes are matched to genback's by byte prefix; only
 internal nodes, as leaves hold the weights themselves). Target on an H100 (issue 21): V = 100k,
-B = 64, sum + max <= 1 ms, exact to 1e-6.
+B = 64, sum + max <= 1 ms, exact to 1e-6 (issue 31: exact to float64 rounding).
+
+``--profile`` adds, per vocabulary at the largest B, a torch-profiler table of the device kernels
+of one ``batch_weight_sum`` + ``batch_weight_max`` of ``genback-f64-eager`` (kernel names, counts
+and device time; the graphs replay the same kernels).
 """
 
 from __future__ import annotations
@@ -119,7 +123,24 @@ def genlm_node_map(gtrie, trie) -> tuple[np.ndarray, np.ndarray]:
     return np.array(g), np.array(b)
 
 
-def bench_vocab(name, vocab, device, batches, repeat, use_genlm) -> dict:
+def profile_kernels(trie, P, L) -> None:
+    """Print the device kernels of one ``batch_weight_sum(P)`` + ``batch_weight_max(L)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trie.batch_weight_sum(P), trie.batch_weight_max(L)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trie.batch_weight_sum(P), trie.batch_weight_max(L)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"  kernels of sum + max, B={P.shape[0]}: {sum(e.count for e in events)} launches, "
+          f"{total / 1e3:.3f} ms device time")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"    {e.count:4d} x {e.self_device_time_total / 1e3:8.3f} ms  {e.key[:100]}")
+
+
+def bench_vocab(name, vocab, device, batches, repeat, use_genlm, profile=False) -> dict:
     V = len(vocab)
     rng = np.random.default_rng(0)
     Bmax = max(batches)
@@ -170,6 +191,11 @@ def bench_vocab(name, vocab, device, batches, repeat, use_genlm) -> dict:
                 err = max(rel_err(s, ref_sum), rel_err(m, ref_max))
             cell[key] = {"ms": t * 1e3, "rel_err": err}
         res["cells"].append(cell)
+        if profile and B == Bmax and "genback-f64-eager" in impls:
+            try:
+                profile_kernels(impls["genback-f64-eager"], Pb, Lb)
+            except Exception as e:  # the profiler is a diagnostic: never lose the timings to it
+                print(f"  --profile failed: {type(e).__name__}: {e}")
         print(f"  B={B:4d}  " + "  ".join(f"{k}: {c['ms']:8.3f} ms (err {c['rel_err']:.1e})"
                                           for k, c in cell.items() if k != "B"), flush=True)
     return res
@@ -183,6 +209,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-genlm", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="kernel table per vocabulary (CUDA only)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
@@ -204,7 +231,7 @@ def main(argv=None) -> list[dict]:
             continue
         print(f"== {vname}: V={len(vocab)}")
         out.append(bench_vocab(vname, vocab, device, [int(b) for b in args.batches.split(",")],
-                               args.repeat, use_genlm))
+                               args.repeat, use_genlm, args.profile))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": name, "vocabs": out}, indent=1))
     return out

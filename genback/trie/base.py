@@ -83,7 +83,7 @@ class TokenCharacterTrie:
 
     @cached_property
     def _plan(self):
-        """Level-wise plan (``genback.trie.plan``) for log-sum-exp and the torch backend; lazy."""
+        """Level-wise plan (``genback.trie.plan``) for log-sum-exp; lazy."""
         return make_plan(self._layout)
 
     # ----------------------------------------------------------------- structure

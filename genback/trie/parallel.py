@@ -1,20 +1,21 @@
 """``ParallelTokenCharacterTrie``: the same node values as ``TokenCharacterTrie`` on a torch device.
 
-Structure and reduction plan are built once on the CPU (``genback.trie.build`` / ``plan``) and
-copied to the device. A call runs the plan level by level with ``index_add_`` (sum),
-``scatter_reduce_(..., "amax")`` (max) or a max-shifted log-sum-exp, on a ``(U, b)`` work tensor
-(``U`` = distinct node slices, at most ``2V``; ``b`` = batch chunk). Memory is O(U · chunk) plus the
-``(B, num_nodes)`` result, never O(batch × (token, ancestor) pairs); batches larger than
-``max_chunk`` rows run in chunks.
+The trie's block plan (``genback.trie.blocks``, the CPU trie's own) is laid out once for torch
+(``genback.trie.device_blocks``) and run as a fixed sequence of dense kernels on a ``(b, R)``
+work tensor (``b`` = batch chunk, ``R`` < 2.5 V columns): the weights gathered into leaf order,
+one elementwise kernel per level of a segment tree over that order (``log2 V`` levels, whatever
+the trie's depth), one gather of every multi-block node slice's blocks and one dense reduction
+per group of slices with the same (padded) block count; the caller's ``(B, num_nodes)`` result
+rows are then gathered straight from the work tensor. Memory is O(R · chunk) plus the result;
+batches larger than ``max_chunk`` rows run in chunks.
 
-Each level's children occupy one block of rows of the work tensor and are reduced into the rows
-after it, so a level of sums or maxes is one kernel (``__init__`` builds the layout). On CUDA
-the ~50 levels are still launch-bound (an H100 host spends ~5–9 µs per launch; the loop took
-~3 ms a call whatever the batch), so by default each (reduction, batch bucket) is captured once
-as a CUDA graph and replayed (buckets are powers of two up to ``max_chunk``; see
-:class:`_Graphs`); measured in ``benchmarks/RESULTS.md`` ("The token-character trie on the
-GPU"). Sums on CUDA are equal to rounding, not bit for bit, between calls: ``index_add_`` adds
-in no fixed order.
+No kernel scatters or accumulates through an index (no atomics): results are bit-identical
+between calls on every device, maxima equal the CPU trie's bit for bit (``-inf`` and negative
+weights included; NaN raises), sums add the same terms as the CPU trie and agree with it to float64
+rounding. On CUDA the ~25 kernels of a reduction are still launch-bound at small batches (an H100
+host spends ~5–9 µs per launch), so by default each (reduction, batch bucket) is captured once as
+a CUDA graph and replayed (buckets are powers of two up to ``max_chunk``; see :class:`_Graphs`);
+measured in ``benchmarks/RESULTS.md`` ("The token-character trie on the GPU").
 
 dtype: float64 by default on every device, so results match the CPU trie to rounding (sums of
 small probabilities keep their relative precision). ``dtype=torch.float32`` halves memory traffic
@@ -27,10 +28,10 @@ from __future__ import annotations
 import threading
 import warnings
 
-import numpy as np
 import torch
 
 from .base import TokenCharacterTrie
+from .device_blocks import gather_columns, make_device_blocks, run_device_blocks
 from .weights import check_weight_dtype
 
 __all__ = ["ParallelTokenCharacterTrie"]
@@ -42,9 +43,11 @@ class _Graphs:
 
     One graph per (reduction, bucket), ``bucket`` = the chunk's row count rounded up to a power
     of two (at most ``max_chunk``), captured on first use into one memory pool shared by all of
-    the trie's graphs; per bucket a static input ``(bucket, V)`` and work tensor ``(U, bucket)``,
-    shared by the reductions. Replays run one at a time (``lock``): the caller reads the work
-    tensor before the next replay.
+    the trie's graphs; per bucket a static work tensor ``E`` ``(bucket, R)`` and gather buffer
+    ``X`` ``(bucket, T)``, shared by the reductions. The leaf weights are gathered into ``E``
+    before the replay (outside the graph, straight from the caller's rows); rows past the chunk
+    hold stale values that are reduced and never read. Replays run one at a time (``lock``): the
+    caller reads ``E`` before the next replay.
     """
 
     def __init__(self, trie: "ParallelTokenCharacterTrie"):
@@ -55,38 +58,31 @@ class _Graphs:
         self.lock = threading.Lock()
 
     def run(self, Wc: torch.Tensor, op: str) -> torch.Tensor:
-        """Segment values ``(U, b)`` of the chunk ``Wc`` ``(b, V)``: a view of the bucket's work
-        tensor, valid until the next replay (hold ``lock``)."""
+        """Work tensor rows ``(b, R)`` of the chunk ``Wc`` ``(b, V)``: a view of the bucket's
+        ``E``, valid until the next replay (hold ``lock``)."""
         t, b = self.trie, Wc.shape[0]
         size = min(1 << (b - 1).bit_length(), t.max_chunk)
         if size not in self.buffers:
-            self.buffers[size] = (
-                torch.zeros((size, t.num_tokens), dtype=t.dtype, device=t.device),
-                torch.empty((t._plan.num_segments, size), dtype=t.dtype, device=t.device))
-        inp, vals = self.buffers[size]
-        inp[:b].copy_(Wc)
+            self.buffers[size] = (t._work(size), t._scratch(size))
+        E, X = self.buffers[size]
+        t._load(E[:b], Wc)
         graph = self.graphs.get((op, size))
         if graph is None:
-            graph = self.graphs[(op, size)] = self._capture(op, inp, vals)
+            graph = self.graphs[(op, size)] = self._capture(op, E, X)
         graph.replay()
-        return vals[:, :b]
+        return E[:b]
 
-    def _capture(self, op: str, inp: torch.Tensor, vals: torch.Tensor) -> torch.cuda.CUDAGraph:
+    def _capture(self, op: str, E: torch.Tensor, X: torch.Tensor) -> torch.cuda.CUDAGraph:
         t = self.trie
-
-        def body():
-            t._load(vals, inp, op)
-            t._levels(vals, op)
-
         with torch.cuda.device(t.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up run outside the capture, as CUDA asks
-                body()
+                run_device_blocks(t._blocks_dev, E, X, op)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                body()
+                run_device_blocks(t._blocks_dev, E, X, op)
         return graph
 
 
@@ -110,13 +106,13 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``, or ``None`` (CUDA if
             available, else CPU).
         dtype: ``torch.float64`` (default) or ``torch.float32`` (see the module docstring).
-        max_chunk: most batch rows reduced at once (bounds the ``(U, chunk)`` work tensor).
+        max_chunk: most batch rows reduced at once (bounds the ``(chunk, R)`` work tensor).
         cuda_graphs: on a CUDA device, replay each reduction as a captured CUDA graph (default
             True; see the module docstring). Ignored on other devices. A capture that fails
             warns once and the trie runs its kernels one by one from then on. Costs device
-            memory that stays allocated: per batch bucket used, a ``(bucket, V)`` input and a
-            ``(U, bucket)`` work tensor (about twice the largest bucket's in all; cl100k, float64,
-            ``max_chunk=64``: ~250 MB).
+            memory that stays allocated: per batch bucket used, a ``(bucket, R)`` work tensor
+            and a ``(bucket, T)`` gather buffer (``R + T`` ~3.3 V; about twice the largest
+            bucket's in all; cl100k, float64, ``max_chunk=64``: ~340 MB).
 
     Raises:
         ValueError: invalid device, CUDA requested but unavailable, bad dtype or ``max_chunk``.
@@ -139,32 +135,7 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         if not isinstance(max_chunk, int) or max_chunk < 1:
             raise ValueError(f"ParallelTokenCharacterTrie: max_chunk must be a positive int, got {max_chunk!r}")
         self.dtype, self.max_chunk = dtype, max_chunk
-        p = self._plan
-
-        def t(a):
-            return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long, device=self.device)
-
-        # Device layout of the (U, b) work tensor: each level's children take one block of rows,
-        # levels in order, the roots last. A parent is a child of a later level (or a root), so
-        # its row lies after its children's block: a level reduces the slice vals[lo:hi] into
-        # vals[hi:] in one kernel (index_add_ / scatter_reduce_), with no gather of the children
-        # and no store of the parents.
-        row = np.empty(p.num_segments, np.int64)
-        roots = np.ones(p.num_segments, bool)
-        end, blocks = 0, []
-        for _, ch, _, _ in p.levels:
-            row[ch] = end + np.arange(len(ch))
-            roots[ch] = False
-            blocks.append((end, end + len(ch)))
-            end += len(ch)
-        row[roots] = end + np.arange(int(roots.sum()))
-        self._t_order = t(p.order)
-        self._t_leaf_rows = t(row[: self.num_tokens])  # segment k < V is leaf-order word k
-        self._t_node_rows = t(row[p.node_segment])
-        self._t_levels = []
-        for (pa, _, _, cnt), (lo, hi) in zip(p.levels, blocks):
-            group = np.repeat(np.arange(len(pa)), cnt)  # each child's parent, 0..P-1
-            self._t_levels.append((lo, hi, t(row[pa][group] - hi), t(group), t(row[pa] - hi), len(pa)))
+        self._blocks_dev = make_device_blocks(self._blocks, self._layout.start, self.device)
         self._graphs = _Graphs(self) if cuda_graphs and self.device.type == "cuda" else None
 
     def _as_device_matrix(self, x, name: str, batched: bool) -> torch.Tensor:
@@ -184,7 +155,9 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         want = f"(B, {V})" if batched else f"({V},)"
         if t.dim() != (2 if batched else 1) or t.shape[-1] != V:
             raise ValueError(f"{where}: {name} must have shape {want} (V = len(decode)), got shape {tuple(t.shape)}")
-        return t.to(device=self.device, dtype=self.dtype).reshape(-1, V)
+        if not t.is_floating_point():
+            t = t.to(self.dtype)  # floating rows keep their dtype: the leaf gather casts them
+        return t.to(device=self.device).reshape(-1, V)
 
     def _run(self, W: torch.Tensor, op: str, name: str = "W") -> torch.Tensor:
         B, N = W.shape[0], self.num_nodes
@@ -193,8 +166,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
             return out.fill_(0.0 if op == "sum" else -float("inf"))
         for lo in range(0, B, self.max_chunk):
             Wc = W[lo : lo + self.max_chunk]
-            out[lo : lo + Wc.shape[0]] = self._reduce(Wc, op)
-        if torch.isnan(out[:, 0]).any():
+            self._reduce(Wc, op, out[lo : lo + Wc.shape[0]])
+        if torch.isnan(out[:, 0]).any():  # a NaN weight always reaches the root
             bad = torch.isnan(W).nonzero()
             if len(bad):
                 r, c = bad[0].tolist()
@@ -202,43 +175,41 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
                 raise ValueError(f"{type(self).__name__}: {name}{where} is NaN ({len(bad)} NaN weights)")
         return out
 
-    def _reduce(self, Wc: torch.Tensor, op: str) -> torch.Tensor:
-        """Node values ``(b, num_nodes)`` of the chunk ``Wc`` ``(b, V)``."""
-        graphs = self._graphs
+    def _work(self, b: int) -> torch.Tensor:
+        """A work tensor ``E`` ``(b, R)`` (``genback.trie.device_blocks``)."""
+        return torch.zeros((b, self._blocks_dev.num_columns), dtype=self.dtype, device=self.device)
+
+    def _scratch(self, b: int) -> torch.Tensor:
+        """A gather buffer ``X`` ``(b, T)``."""
+        return torch.zeros((b, self._blocks_dev.num_terms), dtype=self.dtype, device=self.device)
+
+    def _reduce(self, Wc: torch.Tensor, op: str, out: torch.Tensor) -> None:
+        """Node values of the chunk ``Wc`` ``(b, V)`` into ``out`` ``(b, num_nodes)`` (contiguous)."""
+        db, graphs = self._blocks_dev, self._graphs
         if graphs is not None:
             with graphs.lock:
                 try:
-                    return graphs.run(Wc, op)[self._t_node_rows].T
+                    E = graphs.run(Wc, op)
                 except RuntimeError as e:  # capture refused: run the kernels one by one
                     self._graphs = None
                     warnings.warn(f"{type(self).__name__}: CUDA graph capture failed ({e}); "
                                   "running without CUDA graphs", RuntimeWarning, stacklevel=4)
-        vals = torch.empty((self._plan.num_segments, Wc.shape[0]), dtype=self.dtype, device=self.device)
-        self._load(vals, Wc, op)
-        self._levels(vals, op)
-        return vals[self._t_node_rows].T
+                else:
+                    gather_columns(E, db.node_src, out)
+                    return
+        b = Wc.shape[0]
+        E = torch.empty((b, db.num_columns), dtype=self.dtype, device=self.device)
+        self._load(E, Wc)
+        run_device_blocks(db, E, torch.empty((b, db.num_terms), dtype=self.dtype, device=self.device), op)
+        gather_columns(E, db.node_src, out)
 
-    def _load(self, vals: torch.Tensor, Wc: torch.Tensor, op: str) -> None:
-        """Put the leaf weights of ``Wc`` ``(b, V)`` in their rows of ``vals`` (first ``b``
-        columns); the inner rows start at the reduction's identity (0 for sums, -inf for maxes)."""
-        if op != "logsumexp":  # log-sum-exp writes its parents whole
-            vals.fill_(0.0 if op == "sum" else -float("inf"))
-        vals[self._t_leaf_rows, : Wc.shape[0]] = Wc[:, self._t_order].T
-
-    def _levels(self, vals: torch.Tensor, op: str) -> None:
-        """Fill the inner rows of ``vals`` ``(U, b)`` from its leaf rows, level by level."""
-        for lo, hi, dest, group, parent_rows, P in self._t_levels:
-            cv, above = vals[lo:hi], vals[hi:]  # disjoint views: children, later rows
-            if op == "sum":
-                above.index_add_(0, dest, cv)
-            elif op == "max":
-                above.scatter_reduce_(0, dest[:, None].expand_as(cv), cv, "amax", include_self=True)
-            else:
-                m = torch.full((P, cv.shape[1]), -float("inf"), dtype=self.dtype, device=self.device)
-                m.scatter_reduce_(0, group[:, None].expand_as(cv), cv, "amax", include_self=True)
-                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                acc = torch.zeros_like(m).index_add_(0, group, torch.exp(cv - m[group]))
-                above[parent_rows] = m + torch.log(acc)
+    def _load(self, E: torch.Tensor, Wc: torch.Tensor) -> None:
+        """Gather the weights ``Wc`` ``(b, V)`` into leaf order, ``E[:, :V]`` (cast to ``dtype``)."""
+        leaves = E[:, : self.num_tokens]
+        if Wc.dtype == self.dtype:
+            gather_columns(Wc, self._blocks_dev.order, leaves)
+        else:
+            leaves.copy_(torch.index_select(Wc, 1, self._blocks_dev.order))
 
     def _finish(self, out: torch.Tensor, as_numpy: bool):
         return out.detach().cpu().to(torch.float64).numpy() if as_numpy else out
@@ -252,7 +223,8 @@ class ParallelTokenCharacterTrie(TokenCharacterTrie):
         return self._finish(self._run(self._as_device_matrix(W, "W", True), "max"), as_numpy)
 
     def batch_weight_logsumexp(self, W, as_numpy: bool = False):
-        """Log-sum-exp below every node, max-shifted per level: ``(B, V)`` -> ``(B, num_nodes)``."""
+        """Log-sum-exp below every node (``logaddexp`` of tree pairs, max-shifted ``logsumexp`` of
+        grouped blocks): ``(B, V)`` -> ``(B, num_nodes)``."""
         return self._finish(self._run(self._as_device_matrix(W, "W", True), "logsumexp"), as_numpy)
 
     def weight_sum(self, ws, as_numpy: bool = False):
