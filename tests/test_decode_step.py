@@ -210,3 +210,31 @@ def test_captured_decode_steps_in_bf16_are_no_worse_than_dense(gpt2_tok):
                 assert (rows[j] - ref).abs().max() <= 2 * (dense - ref).abs().max()
     finally:
         lm.close()
+
+
+@pytest.mark.parametrize("rows,groups,prefix", [(1, 1, 900), (3, 4, 300), (64, 2, 1500)])
+def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
+    """Level 0 split into chunks (split-K) and merged by log-sum-exp equals one float64 softmax
+    over the real prefix keys; the padding past the prefix is masked, whatever its values."""
+    from types import SimpleNamespace
+
+    from genback.runners.hf.decode_step import _prefix_attention, _splits
+
+    torch.manual_seed(rows)
+    Hkv, D, cap = 2, 16, 2048
+    store = torch.randn(2, Hkv, cap, D)
+    slots = torch.randperm(cap - 1)[:prefix] + 1
+    Pb = bucket(rows, 1, prefix)[2]
+    b = SimpleNamespace(prefix=torch.zeros(Pb, dtype=torch.long),
+                        bias0=torch.full((1, 1, 1, Pb), float("-inf")))
+    b.prefix[:prefix] = slots
+    b.bias0[..., :prefix] = 0
+    store[:, :, 0] = 1e4  # the dummy slot the padding reads: large, and masked
+    q = torch.randn(rows, Hkv, groups, D)
+    out, lse = _prefix_attention(store, b, q, 0.25)
+    assert _splits(Pb, Hkv, rows * groups) > 1 or Pb == 256
+    k, v = store[0][:, slots].double(), store[1][:, slots].double()  # [Hkv, P, D]
+    scores = torch.einsum("rhgd,hpd->rhgp", q.double(), k) * 0.25
+    want = torch.einsum("rhgp,hpd->rhgd", torch.softmax(scores, -1), v)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=1e-5)

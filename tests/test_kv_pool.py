@@ -1,0 +1,91 @@
+"""The KV pool's slots (genback.runners.hf.kv_pool): allocation, runs, freeing, growth that keeps
+every stored value, and reads as views or gathers, against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genback.runners.hf.kv_pool import KVPool, run_start
+
+LAYOUT = (2, 1, 3, torch.float32, torch.device("cpu"))
+
+
+def test_slot_zero_is_never_handed_out_and_reads_as_zeros():
+    pool = KVPool(LAYOUT, capacity=4)
+    assert torch.equal(pool.store[:, :, :, 0], torch.zeros(2, 2, 1, 3))
+    slots = pool.alloc(100)
+    assert 0 not in slots.tolist() and pool.capacity >= 101
+    assert torch.equal(pool.store[:, :, :, 0], torch.zeros(2, 2, 1, 3))  # (kept by growth)
+
+
+def test_runs_of_16_or_more_are_one_ascending_run_and_read_in_place():
+    pool = KVPool(LAYOUT, capacity=64)
+    small = pool.alloc(5)
+    pool.free(small)
+    prompt = pool.alloc(40)  # from the never-used end, not the freed 5
+    assert run_start(prompt) == prompt[0] and prompt.tolist() == list(range(6, 46))
+    view = pool.read(prompt)
+    assert view.data_ptr() == pool.store[:, :, :, prompt[0]].data_ptr()  # a view, no copy
+    again = pool.alloc(3)  # short ones reuse freed slots first
+    assert set(again.tolist()) <= set(small.tolist())
+    assert run_start(np.array([3, 5])) == -1 and run_start(np.array([7])) == 7
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=40))
+def test_alloc_free_and_growth_keep_every_value(ops):
+    """Random allocations and frees: live slots are distinct and never 0, in-use counts agree,
+    and every value written to a live slot survives later growths of the store."""
+    pool = KVPool(LAYOUT, capacity=8)
+    live: dict[int, float] = {}
+    held: list[np.ndarray] = []
+    value = 1.0
+    for alloc, n in ops:
+        if alloc or not held:
+            slots = pool.alloc(n)
+            assert len(slots) == n and 0 not in slots.tolist()
+            assert not set(slots.tolist()) & set(live)
+            for s in slots.tolist():
+                pool.store[:, :, :, s] = value
+                live[s] = value
+                value += 1
+            held.append(slots)
+        else:
+            slots = held.pop(n % len(held))
+            pool.free(slots)
+            for s in slots.tolist():
+                del live[s]
+        assert pool.in_use == len(live)
+    for s, v in live.items():
+        assert bool((pool.store[:, :, :, s] == v).all())
+    if live:
+        order = np.array(sorted(live))
+        got = pool.read(order)[0, 0, 0, :, 0]
+        assert got.tolist() == [live[s] for s in order.tolist()]
+
+
+def test_growth_counts_versions_and_clear_frees_everything():
+    pool = KVPool(LAYOUT, capacity=8)
+    v = pool.version
+    pool.alloc(7)
+    assert pool.version == v
+    pool.alloc(20)
+    assert pool.version == v + 1 and pool.capacity >= 28
+    pool.clear()
+    assert pool.in_use == 0 and pool.alloc(3).tolist() == [1, 2, 3]
+
+
+def test_write_and_gather_per_layer():
+    pool = KVPool(LAYOUT, capacity=16)
+    slots = pool.alloc(4)
+    idx = torch.from_numpy(slots)
+    key = torch.arange(12.0).reshape(1, 4, 3)
+    pool.write(1, idx, key, -key)
+    got = pool.gather(1, idx.flip(0))
+    assert torch.equal(got[0, 0], key[0].flip(0)) and torch.equal(got[1, 0], -key[0].flip(0))
+    with pytest.raises(IndexError):
+        pool.gather(1, torch.tensor([pool.capacity]))
