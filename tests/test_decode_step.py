@@ -17,10 +17,10 @@ from test_llm_tree import _max_err, _smc_trace
 
 
 def test_buckets_pad_rows_to_powers_of_two_and_align_the_biases():
-    assert bucket(1, 1, 0) == (1, 16, 0)
+    assert bucket(1, 1, 0) == (1, 32, 0)
     assert bucket(3, 17, 1) == (4, 32, 256)
     assert bucket(256, 33, 1000) == (256, 64, 1024)
-    assert bucket(257, 16, 4000) == (512, 16, 4096)
+    assert bucket(257, 16, 4000) == (512, 32, 4096)
     for r, w, p in [(5, 9, 300), (100, 200, 4097)]:
         rb, wb, pb = bucket(r, w, p)
         assert rb >= r and wb >= w and pb >= p and wb % 16 == 0 and pb % 16 == 0

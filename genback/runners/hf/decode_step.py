@@ -20,7 +20,7 @@ cascade attention):
 * the two merged by log-sum-exp (:func:`.tree_attention._merge`).
 
 Worked example (3 rows after a 4-token prompt in slots 1-4, rows a and b one token on, c two,
-new tokens in slots 9, 10, 11; ``W`` padded to 16, prefix padded to 16)::
+new tokens in slots 9, 10, 11; ``W`` and the prefix shown padded to 16 for brevity)::
 
     prefix = [1, 2, 3, 4, 0, 0, ...]          bias0 = [0, 0, 0, 0, -inf, ...]
     table  = [[0, 0, 5, 9, 0, ...],           bias1 = [[-inf, -inf, 0, 0, -inf, ...],
@@ -28,8 +28,8 @@ new tokens in slots 9, 10, 11; ``W`` padded to 16, prefix padded to 16)::
               [0, 7, 8, 11, 0, ...]]                   [-inf, 0, 0, 0, -inf, ...]]
 
 **Buckets.** Rows are padded to a power of two, the table's width and the prefix to multiples
-of 16 (the alignment CUDA's fused attention asks of a bias): powers of two for the width, 256
-for the prefix. A padded row reads only its own new token (written to the dummy slot 0, never
+of 16 (the alignment CUDA's fused attention asks of a bias): powers of two (from 32) for the
+width, 256 for the prefix. A padded row reads only its own new token (written to the dummy slot 0, never
 read unmasked) and its logits are never read. One graph per ``(rows, width, prefix)`` bucket,
 captured lazily on first use into one memory pool shared by all of them; a capture that fails
 warns once and the runner falls back to the tree path. Graphs are dropped when the pool's store
@@ -64,10 +64,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# the table's narrowest bucket: an SMC run's rows grow by a token a step, and each new width bucket
+# is a capture (45-70 ms on a 1B model, measured); 32 columns cover a run's first 31 steps
+MIN_WIDTH = 32
+
+
 def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
     """``(rows, width, prefix)`` rounded up to their bucket: rows to a power of two, the table's
-    width to a power of two of at least 16, the prefix to a multiple of 256 (0 stays 0)."""
-    return _pow2(rows), max(16, _pow2(width)), -(-prefix // 256) * 256
+    width to a power of two of at least :data:`MIN_WIDTH`, the prefix to a multiple of 256 (0
+    stays 0)."""
+    return _pow2(rows), max(MIN_WIDTH, _pow2(width)), -(-prefix // 256) * 256
 
 
 class DecodeBuffers:
@@ -282,7 +288,7 @@ class DecodeStep:
         prefix = (np.concatenate([s for s, _ in shared]) if shared
                   else np.empty(0, dtype=np.int64))
         width = int(private.path_lengths().max()) + 1 if R else 1
-        if _pow2(R) * max(16, _pow2(width)) > MAX_TABLE_SLOTS:
+        if _pow2(R) * bucket(R, width, 0)[1] > MAX_TABLE_SLOTS:
             return None
         new_slots = self.pool.alloc(R)
         table, pads = private.layout(new_slots[:, None])
@@ -328,13 +334,18 @@ class DecodeStep:
         """Capture ``buf``'s bucket (after one eager warm-up run on a side stream, which also
         computes this step); None, with one warning, when capture fails."""
         t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved(self.pool.device)
-        stream = torch.cuda.Stream(self.pool.device)
-        stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        dev = self.pool.device
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         try:
             with torch.cuda.stream(stream):
                 self._forward(buf)  # warm-up (lazy initialisations happen outside capture)
-            torch.cuda.current_stream(self.pool.device).wait_stream(stream)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            # (torch.cuda.graph empties the allocator's cache on entry: empty it first, so the
+            # reserved memory it adds is the graph pool's own)
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(dev)
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
