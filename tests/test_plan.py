@@ -202,7 +202,8 @@ def _kv_of(tree: KVTree, tokens: tuple, **kw) -> tuple[torch.Tensor, int]:
        st.integers(0, 2**31 - 1))
 def test_compacted_tree_keeps_every_path_exact(ops, seed):
     """Random SMC-like growth: particles extend by 1-3 tokens and copy each other; after each
-    call every inserted node is compacted (as the runner does). Each context's KV, read back
+    call a leaf that ends at the cached prefix grows in place (``KVTree.extend``) or the new
+    tokens get a node, compacted (as the runner does). Each context's KV, read back
     through the merged nodes, equals the KV that was inserted for its tokens (brute force: a
     per-token value, written into the pool slots the insertion took), pinned nodes keep their
     boundary, branching nodes are never merged, and every slot a node holds is in use once."""
@@ -237,8 +238,10 @@ def test_compacted_tree_keeps_every_path_exact(ops, seed):
             value.setdefault(new[:j + 1], torch.randn((1, 2, 1, 1), generator=gen))
         segments, cached, holder = tree.match(new)
         particles[i] = new
-        if cached < len(new):
-            tree.compact(tree.insert(new, cached, slots_for(new, cached), near=holder))
+        if cached < len(new):  # as the runner commits: a leaf grows in place, else a child
+            slots = slots_for(new, cached)
+            if not (holder.depth == cached and tree.extend(holder, new, slots)):
+                tree.compact(tree.insert(new, cached, slots, near=holder))
         for p in set(particles):
             got, cached = _kv_of(tree, p)
             assert cached == len(p)

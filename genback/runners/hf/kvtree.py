@@ -217,6 +217,32 @@ class KVTree:
             self._touch(node)
         return node
 
+    # a leaf grows in place (extend) while its edge stays this short: an extension copies the
+    # edge's tuple and slot array, so a longer one gets a child instead (then compact merges
+    # geometrically)
+    EXTEND_MAX = 64
+
+    def extend(self, node: _Node, tokens: tuple, slots: np.ndarray) -> bool:
+        """Append ``tokens[node.depth:]`` (their pool slots ``slots``) to ``node``'s own edge,
+        in place, when ``node`` is a leaf that nothing else holds, pins or shares: the path's
+        one-token extension of a decoding or SMC step then costs no new node, no walk and no
+        later merge. ``tokens[:node.depth]`` must be ``node``'s path. Returns False (nothing
+        changed) when ``node`` has children, is pinned, is held more than once (``acquire``:
+        the caller's own hold counts) or its edge would grow past :attr:`EXTEND_MAX`; then
+        :meth:`insert` it."""
+        n = len(slots)
+        if (node.children or node.pinned or node.refs > 1 or node.parent is None
+                or n == 0 or len(tokens) - node.depth != n
+                or len(node.edge) + n > self.EXTEND_MAX):
+            return False
+        node.edge = untrack_ids(node.edge + tuple(tokens[node.depth:]))
+        node.slots = np.concatenate((node.slots, slots))
+        node.depth = len(tokens)
+        added = n * self.token_bytes
+        node.bytes += added
+        self.bytes_held += added
+        return True
+
     def _free(self, slots) -> None:
         if self.pool is not None and len(slots):
             self.pool.free(slots)

@@ -368,8 +368,12 @@ class HFRunner:
                 values, new_slots = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, slots in zip(group, new_slots):
-                    node = self.tree.insert(p.tokens, p.cached, slots, p.adapter, near=p.holder,
-                                            touch=False)
+                    holder = p.holder  # a leaf ending at the cached prefix, held by p alone,
+                    if holder.depth == p.cached and self.tree.extend(holder, p.tokens, slots):
+                        node = holder  # grows in place
+                    else:
+                        node = self.tree.insert(p.tokens, p.cached, slots, p.adapter,
+                                                near=holder, touch=False)
                     self._inserted.append(node)
                     new.append(node)
                     self.tree.ends.note(p.tokens, node, p.adapter)
