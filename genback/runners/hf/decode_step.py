@@ -241,16 +241,24 @@ class DecodeStep:
         pool: the runner's :class:`~.kv_pool.KVPool`.
         graphs: capture and replay CUDA graphs (False: run the same code eagerly).
         max_graphs: most graphs kept; further buckets run eagerly.
+        max_graph_bytes: no more captures once the graphs' memory pool (counted as the device
+            memory each capture reserved) reaches this (None: an eighth of the device's memory);
+            further buckets run eagerly.
 
     Attributes (statistics): ``steps``, ``replays``, ``captures``, ``capture_seconds``,
-    ``graph_bytes`` (device memory reserved by captures), ``failed`` (the capture error, once).
+    ``graph_bytes`` (device memory reserved by captures), ``failed`` (the capture error, once:
+    later steps run eagerly).
     """
 
-    def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32):
+    def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32,
+                 max_graph_bytes: int | None = None):
         self.model = model
         self.pool = pool
         self.graphs_on = graphs
         self.max_graphs = max_graphs
+        if max_graph_bytes is None and graphs:
+            max_graph_bytes = torch.cuda.get_device_properties(pool.device).total_memory // 8
+        self.max_graph_bytes = max_graph_bytes
         cfg = model.config
         heads = getattr(cfg, "num_attention_heads", pool.heads)
         self.groups = max(1, heads // pool.heads)
@@ -313,7 +321,7 @@ class DecodeStep:
         self.steps += 1
         graph = self.graphs.get(key)
         if graph is None and self.graphs_on and self.failed is None \
-                and len(self.graphs) < self.max_graphs:
+                and len(self.graphs) < self.max_graphs and self.graph_bytes < self.max_graph_bytes:
             graph = self._capture(buf)
         if graph is not None:
             graph.replay()
@@ -355,7 +363,10 @@ class DecodeStep:
             self.failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"genback: capturing the decode step as a CUDA graph failed; running "
                           f"it without graphs ({self.failed})", RuntimeWarning, stacklevel=2)
-            torch.cuda.synchronize(self.pool.device)
+            try:
+                torch.cuda.synchronize(dev)
+            except RuntimeError:  # (a capture error may also surface here)
+                pass
             return None
         self.graphs[buf.key] = graph
         self.captures += 1

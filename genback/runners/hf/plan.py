@@ -11,6 +11,8 @@ which query outputs each path answers.
   slices and comparisons), never token by token in Python.
 * :func:`group_paths`: forwards sized by work — the tokens they forward (padding included) and the
   bytes their attention needs — never by the length of whole contexts.
+* :class:`ForwardBudget`: a query too large for one forward becomes the queries that answer it
+  in forwards that fit (chunked prefill, then its targets in slices).
 
 Which cached segments a forward reads once for all paths below them is decided per forward, over
 the union of its paths (:func:`.segments.split_segments`).
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...query import Query
+from ...query import Prefill, Query, Score
 from .kvtree import common_prefix_length
 from .segments import prefix_segments
 
@@ -208,3 +210,54 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
     if group:
         groups.append(group)
     return groups
+
+
+class ForwardBudget:
+    """What one forward may hold: ``max_bytes`` of working set, counted as attention scores
+    (``score_bytes`` per query position and key: float32 x heads) plus logits (``logit_bytes``
+    per output position: float32 x vocabulary)."""
+
+    def __init__(self, max_bytes: int, score_bytes: int, logit_bytes: int):
+        self.max_bytes, self.score_bytes, self.logit_bytes = max_bytes, score_bytes, logit_bytes
+
+    def working_set(self, n_new: int, length: int, n_outputs: int) -> int:
+        """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
+        queries over ``length`` keys (materialised by the masked kernels), plus the logits of
+        ``n_outputs`` positions."""
+        return n_new * length * self.score_bytes + n_outputs * self.logit_bytes
+
+    def pieces(self, q: Query, cached: Callable[[Query, int], int]) -> list[Query] | None:
+        """None when ``q`` fits in one forward, else the queries that answer it in forwards
+        that each fit: KV-only prefills of its uncached context in chunks, then its targets in
+        consecutive slices (each a query over the tokens up to its slice; the KV of the earlier
+        ones is in the tree, so each forwards only its own tokens). ``cached(q, limit)``: how
+        many tokens of ``q``'s context are cached (at most ``limit``), asked only when ``q``
+        would not fit with nothing cached.
+
+        Raises:
+            ValueError: not even one output position fits in ``max_bytes``.
+        """
+        L, n_out = len(q.tokens), q.n_outputs
+        limit = self.max_bytes
+        if self.working_set(L, L, n_out) <= limit:  # fits even with nothing cached
+            return None
+        done = cached(q, L - n_out)
+        if self.working_set(L - done, L, n_out) <= limit:
+            return None
+        per_position = self.working_set(1, L, 1)
+        if per_position > limit:
+            raise ValueError(
+                f"a query of {L} tokens needs about {per_position:,} bytes for one position's "
+                f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
+        # half the limit each for a prefill chunk and a target slice, which may share a forward
+        chunk = max(1, limit // (2 * L * self.score_bytes))  # KV-only prefill: no logits
+        pieces: list[Query] = [Prefill(q.tokens[:end], q.adapter)
+                               for end in range(done + chunk, L - n_out + 1, chunk)]
+        if not isinstance(q, Score):  # a next-token row, a decoding step or a prefill
+            return pieces + [q]
+        step = max(1, limit // (2 * per_position))
+        n = len(q.targets)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            pieces.append(Score(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
+        return pieces

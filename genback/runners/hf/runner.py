@@ -26,7 +26,7 @@ from .decode_step import DecodeStep, is_uniform
 from .kvtree import KVTree
 from .lora import LoraAdapters
 from .kv_pool import KVPool
-from .plan import Output, Path, group_paths, plan_batch
+from .plan import ForwardBudget, Output, Path, group_paths, plan_batch
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -89,7 +89,7 @@ class HFRunner:
         max_batch_tokens: most new tokens (padding included) one forward computes.
         max_forward_bytes: bound on a forward's working set, attention scores and logits (None:
             a quarter of the free memory, at most 2 GiB); larger queries are answered in pieces
-            (:meth:`_pieces`), and one that cannot fit fails alone.
+            (:meth:`.plan.ForwardBudget.pieces`), and one that cannot fit fails alone.
         min_shared_tokens: a cached segment under ``n`` rows is read once for all of them when
             ``(n - 1) * length`` reaches this (see :func:`.plan.split_segments`).
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
@@ -138,7 +138,8 @@ class HFRunner:
         self.tree = KVTree(kv_budget_bytes, self.pool)
         self.kv_token_bytes = self.pool.token_bytes
         self._score_bytes = 4 * getattr(model.config, "num_attention_heads", self.pool.heads)
-        self._logit_bytes = 4 * int(getattr(model.config, "vocab_size", 0) or 0)
+        self.budget = ForwardBudget(max_forward_bytes, self._score_bytes,
+                                    4 * int(getattr(model.config, "vocab_size", 0) or 0))
         reason = tree_attention_support(model)
         if attention == "tree" and reason:
             raise ValueError(f"attention='tree' is not available for this model: {reason}")
@@ -200,7 +201,7 @@ class HFRunner:
         fit = []
         for i, q in enumerate(queries):
             try:
-                pieces = self._pieces(q)
+                pieces = self.budget.pieces(q, self._cached)
             except ValueError as exc:  # fails alone; the others go on
                 results[i] = exc
                 continue
@@ -221,49 +222,13 @@ class HFRunner:
         return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent,
                                            touch=False, segments=False)
 
-    def _working_set(self, n_new: int, length: int, n_outputs: int) -> int:
-        """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
-        queries over ``length`` keys (materialised by the masked kernels), plus the logits of
-        ``n_outputs`` positions."""
-        return n_new * length * self._score_bytes + n_outputs * self._logit_bytes
-
-    def _pieces(self, q: Query) -> list[Query] | None:
-        """None when ``q`` fits in one forward of ``max_forward_bytes``, else the queries that
-        answer it in forwards that each fit: KV-only prefills of its uncached context in chunks,
-        then its targets in consecutive slices (each a query over the tokens up to its slice;
-        the KV of the earlier ones is in the tree, so each forwards only its own tokens).
-
-        Raises:
-            ValueError: not even one output position fits in ``max_forward_bytes``.
-        """
-        L, n_out = len(q.tokens), q.n_outputs
-        limit = self.max_forward_bytes
-        if self._working_set(L, L, n_out) <= limit:  # fits even with nothing cached
-            return None
-        cached = self.tree.match(q.tokens, L - n_out, touch=False, adapter=q.adapter,
-                                 parent=q.parent, segments=False)[1]
-        if self._working_set(L - cached, L, n_out) <= limit:
-            return None
-        per_position = self._working_set(1, L, 1)
-        if per_position > limit:
-            raise ValueError(
-                f"a query of {L} tokens needs about {per_position:,} bytes for one position's "
-                f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
-        # half the limit each for a prefill chunk and a target slice, which may share a forward
-        chunk = max(1, limit // (2 * L * self._score_bytes))  # KV-only prefill: no logits
-        pieces: list[Query] = [Prefill(q.tokens[:end], q.adapter)
-                               for end in range(cached + chunk, L - n_out + 1, chunk)]
-        if not isinstance(q, Score):  # a next-token row, a decoding step or a prefill
-            return pieces + [q]
-        step = max(1, limit // (2 * per_position))
-        n = len(q.targets)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            pieces.append(Score(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
-        return pieces
+    def _cached(self, q: Query, limit: int) -> int:
+        """Tokens of ``q``'s context cached now, at most ``limit`` (a probe: no LRU change)."""
+        return self.tree.match(q.tokens, limit, touch=False, adapter=q.adapter,
+                               parent=q.parent, segments=False)[1]
 
     def _run_pieces(self, q: Query, pieces: list[Query]):
-        """Run ``pieces`` (from :meth:`_pieces`) one forward each; return ``q``'s result (the
+        """Run ``pieces`` (from :meth:`.plan.ForwardBudget.pieces`) one forward each; return ``q``'s result (the
         target slices' log-probs, and greedy flags, joined in order)."""
         parts = []
         for piece in pieces:
@@ -320,7 +285,7 @@ class HFRunner:
         try:
             self.lora.activate(adapter)
             query = Prefill(tokens, adapter)
-            self._run_pieces(query, self._pieces(query) or [query])
+            self._run_pieces(query, self.budget.pieces(query, self._cached) or [query])
             if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
                 self.tree.insert(tokens, len(tokens), np.empty(0, dtype=np.int64), adapter)
             self.tree.pin(tokens, adapter)

@@ -97,7 +97,6 @@ class PrivatePasts:
         R, D = chains.shape
         lengths = self.path_lengths()
         P = int(lengths.max()) if R else 0
-        m = 0 if tail is None else tail.shape[1]
         pads = P - lengths
         # runs of slots per (path, segment) into the segments' slots laid end to end, then
         # slot 0 (the padding: a run of step 0 over it); expanded by NumPy
