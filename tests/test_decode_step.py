@@ -238,3 +238,21 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
     want = torch.einsum("rhgp,hpd->rhgd", torch.softmax(scores, -1), v)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=1e-5)
+
+
+def test_decoding_steps_on_the_decode_path_sample_what_the_tree_path_samples(tiny_hf, gpt2_tok):
+    """Seeded sampling (decoding steps chosen on the device, one query kind the decode step
+    answers besides next-token rows): 6 prompts x 12 tokens give the same tokens on the eager
+    decode path as on the tree path, and the decode path answered the steps (counted)."""
+    prompts = [list(range(500 + 7 * i, 530 + 7 * i)) for i in range(6)]
+    got = {}
+    for decode in ("eager", "off"):
+        lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, decode=decode)
+        try:
+            got[decode] = asyncio.run(lm.batch_sample(prompts, max_tokens=12, eos_token_ids=[],
+                                                      temperature=1.0, seed=3))
+            if decode == "eager":
+                assert lm.cache_info()["decode_steps"] >= 10
+        finally:
+            lm.close()
+    assert got["eager"] == got["off"] and all(len(t) == 12 for t in got["eager"])
