@@ -92,6 +92,9 @@ class Batcher:
         window: seconds to wait, from the first pending query, for more queries (finite, >= 0).
         max_batch_size: most distinct queries per batch (>= 1).
         name: name of the worker thread.
+        copy: ``copy(result) -> result`` for the second and later callers of one query (the
+            same context asked twice in a batch is computed once): each gets its own copy, the
+            first caller the result itself. None: every caller gets the same object.
 
     Raises:
         ValueError: a non-positive ``max_batch_size`` or a negative, infinite or NaN ``window``.
@@ -104,11 +107,13 @@ class Batcher:
         window: float,
         max_batch_size: int,
         name: str = "genback-batcher",
+        copy: Callable[[Any], Any] | None = None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) \
                 or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         self._compute = compute
+        self._copy = copy
         self.window = self.check_window(window)
         self.max_batch_size = max_batch_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -298,11 +303,18 @@ class Batcher:
                     f"batch computation returned {len(results)} results for {len(batch)} queries"
                 ))
             else:
+                copy = self._copy
                 for entry, result in zip(batch, results):
                     failed = isinstance(result, BaseException)  # fails this query only
+                    first = True
                     for f in entry.futures:
-                        if not f.done():
-                            f.set_exception(result) if failed else f.set_result(result)
+                        if f.done():  # (cancelled)
+                            continue
+                        if failed:
+                            f.set_exception(result)
+                        else:
+                            f.set_result(result if first or copy is None else copy(result))
+                            first = False
         # the batch stays "busy" until the callers just answered have run (their wake-ups were
         # queued first): their next queries join what is pending, so callers that step in
         # lockstep (decoding requests, particles) stay in one batch instead of two cohorts

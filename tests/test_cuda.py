@@ -56,7 +56,7 @@ def scenario(lm: AsyncTransformer) -> list[tuple[list[int], torch.Tensor]]:
     """Drive every cached path once; returns ``(context, row)`` pairs to check. Paths: a pinned
     prompt extended by one token per particle (shared segment), an SMC run with resampling,
     mixed past lengths in one batch, nested contexts in one batch, private pasts decoding in
-    lockstep (the past pool), rows answered from the output cache."""
+    lockstep (private pasts gathered from the KV pool), rows answered from the output cache."""
     rng = random.Random(0)
     got: list = []
     prompt = [rng.randrange(50257) for _ in range(120)]
@@ -332,3 +332,26 @@ def test_rows_come_back_on_the_model_device_unless_asked_for_the_host(tiny_hf, g
 def test_row_device_must_name_a_device(tiny_hf, gpt2_tok):
     with pytest.raises(ValueError, match="row_device must be a torch device"):
         AsyncTransformer(tiny_hf, gpt2_tok, row_device="not-a-device")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_caller_owns_its_row(tiny_hf, gpt2_tok, device):
+    """Rows handed out are the callers' own (on a GPU made for the whole batch in one copy on
+    the worker, `Front._compute_owned`): two callers of one context and a third caller get three
+    distinct tensors; writing into one changes neither the other nor what the cache answers."""
+    lm = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok, batch_window=0.05)
+    ctx, other = [464, 3290, 318], [464, 3290, 257]
+
+    async def run():
+        return await asyncio.gather(lm.next_token_logprobs(ctx), lm.next_token_logprobs(ctx),
+                                    lm.next_token_logprobs(other))
+    try:
+        a, b, c = asyncio.run(run())
+        assert a.device.type == device and a.data_ptr() != b.data_ptr() != c.data_ptr()
+        keep = b.clone()
+        a.fill_(0.0)
+        torch.testing.assert_close(b, keep, rtol=0, atol=0)
+        again = lm.next_token_logprobs_sync(ctx)
+        torch.testing.assert_close(again, keep, rtol=0, atol=0)
+    finally:
+        lm.close()

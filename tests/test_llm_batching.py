@@ -286,3 +286,18 @@ async def test_cache_kv_pins_a_prompt_against_eviction(tiny_hf, gpt2_tok):
         assert lm.cache_info()["kv_bytes"] == 0
     finally:
         await lm.aclose()
+
+
+async def test_a_query_asked_twice_in_a_batch_gives_each_caller_its_own_copy():
+    """The batcher's ``copy``: the second and later callers of one (deduplicated) query get
+    ``copy(result)``, the first the result itself; without ``copy`` all share it."""
+    from genback.batcher import Batcher
+
+    for copy in (None, lambda r: list(r)):
+        b = Batcher(lambda qs: [[q] for q in qs], window=0.01, max_batch_size=8, copy=copy)
+        try:
+            got = await asyncio.gather(b.submit("k", 1), b.submit("k", 1), b.submit("j", 2))
+            assert got == [[1], [1], [2]]
+            assert (got[0] is got[1]) == (copy is None)
+        finally:
+            b.close()

@@ -228,9 +228,9 @@ class AsyncLM(QueueHooks, Decoding):
         front = self.front
         query = front.next_token(token_ids, self._lora_key(lora_name))
         row = front.lookup(query)  # (Front.ask, without a coroutine of its own per query)
-        if row is None:
-            row = await front.submit(query)
-        return row.clone()  # the one copy: cached rows are shared, never handed out
+        if row is not None:
+            return row.clone()  # the one copy: cached rows are shared, never handed out
+        return front.owned(await front.submit(query))
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`next_token_logprobs`; works inside a running loop too.

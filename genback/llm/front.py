@@ -23,6 +23,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import torch
+
 from ..batcher import Batcher, BatcherClosed, Immediate
 from ..output_cache import OutputCache
 from ..query import NextToken, Query, Score
@@ -62,7 +64,8 @@ class Front:
             self.scheduler = Immediate(self.answer_one, runner.reset, window=batch_window,
                                        max_batch_size=size, count=runner.requests)
         else:
-            self.scheduler = Batcher(self.compute, window=batch_window, max_batch_size=size)
+            self.scheduler = Batcher(self._compute_owned, window=batch_window,
+                                     max_batch_size=size, copy=_copy_result)
         # what ask awaits: the batcher's future itself (no coroutine of its own around it)
         self._submit = (self.scheduler.enqueue if isinstance(self.scheduler, Batcher)
                         else self.scheduler.submit)
@@ -205,6 +208,20 @@ class Front:
             self.store_many([queries[i] for i in todo], computed)
         return results
 
+    def _compute_owned(self, queries: list[Query]) -> list:
+        """:meth:`compute` for the batcher: next-token rows on an accelerator come back as the
+        callers' own copies, made for the whole batch in one copy (a ``clone`` per caller is a
+        kernel launch each: 256-512 of a 256-particle step's ~1,100 launches on an H100,
+        ``benchmarks/RESULTS.md``); the output cache keeps the rows it was given. Rows in host
+        memory are returned as cached: their callers copy them (the same bytes either way)."""
+        results = self.compute(queries)
+        at = [i for i, (q, r) in enumerate(zip(queries, results))
+              if type(q) is NextToken and isinstance(r, torch.Tensor) and r.device.type != "cpu"]
+        if at:
+            for i, row in zip(at, torch.stack([results[i] for i in at]).unbind(0)):
+                results[i] = row
+        return results
+
     async def answer_one(self, query: Query):
         """One query through a runner that schedules by itself (``Immediate``).
 
@@ -219,6 +236,14 @@ class Front:
         if self.adapter_error(query.adapter) is None:
             self.store(query, value)
         return value
+
+    def owned(self, row: torch.Tensor) -> torch.Tensor:
+        """``row`` as the caller's own tensor, from :meth:`submit`'s result for a next-token
+        query: accelerator rows from the batcher are copies already (:meth:`_compute_owned`),
+        other rows are cloned."""
+        if row.device.type != "cpu" and isinstance(self.scheduler, Batcher):
+            return row
+        return row.clone()
 
     def info(self) -> dict:
         """The front's counters for ``cache_info()``."""
@@ -238,3 +263,12 @@ class Front:
         with self.lock:
             self.runner.close()
         self.cache.clear()
+
+
+def _copy_result(result):
+    """The batcher's copy for the second and later callers of one query: an accelerator tensor
+    (a row handed out as the caller's own, :meth:`Front.owned`) is cloned; anything else is
+    shared (host rows and scores are copied by their callers)."""
+    if isinstance(result, torch.Tensor) and result.device.type != "cpu":
+        return result.clone()
+    return result
