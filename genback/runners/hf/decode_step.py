@@ -79,10 +79,15 @@ def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
 class DecodeBuffers:
     """The static inputs of one bucket's step (all on the pool's device).
 
-    ``ids`` / ``positions`` long ``[Rb, 1]``; ``new_slots`` long ``[Rb]``; ``table`` long
-    ``[Rb * Wb]`` (row-major slot table, last real column the new token); ``bias1`` ``[Rb, 1,
-    G, Wb]`` of the model's dtype; ``prefix`` long ``[Pb]`` and ``bias0`` ``[1, 1, 1, Pb]`` (None
-    when ``Pb == 0``); ``logits`` float32 ``[Rb, V]``, written by the step.
+    One long buffer ``packed`` holds every integer input, filled by one host-to-device copy per
+    step (:meth:`fill`); the rest are views of it or built from it on the device by
+    :meth:`prepare`, inside the captured graph: ``ids`` / ``positions`` long ``[Rb, 1]``;
+    ``new_slots`` long ``[Rb]``; ``first`` long ``[Rb]`` (each row's first real table column);
+    ``table`` long ``[Rb * Wb]`` (row-major slot table, last real column the new token);
+    ``prefix`` long ``[Pb]``; ``sizes`` long ``[2]`` (the table's real width ``W``, the prefix's
+    real length ``P``). Built: ``bias1`` ``[Rb, 1, G, Wb]`` and ``bias0`` ``[1, 1, 1, Pb]`` of the
+    model's dtype (0 attend, -inf padding; None when ``Pb == 0``). ``logits`` float32 ``[Rb,
+    V]``, written by the step.
     """
 
     def __init__(self, pool: KVPool, key: tuple[int, int, int], groups: int, vocab: int):
@@ -90,48 +95,44 @@ class DecodeBuffers:
         dev, dt = pool.device, pool.dtype
         self.pool = pool
         self.key = key
-        self.ids = torch.zeros((Rb, 1), dtype=torch.long, device=dev)
-        self.positions = torch.zeros((Rb, 1), dtype=torch.long, device=dev)
-        self.new_slots = torch.zeros(Rb, dtype=torch.long, device=dev)
-        self.table = torch.zeros(Rb * Wb, dtype=torch.long, device=dev)
+        self.packed = torch.zeros(4 * Rb + Rb * Wb + Pb + 2, dtype=torch.long, device=dev)
+        parts = self.packed.split([Rb, Rb, Rb, Rb, Rb * Wb, Pb, 2])
+        self.ids, self.positions = parts[0].view(Rb, 1), parts[1].view(Rb, 1)
+        self.new_slots, self.first, self.table, prefix, self.sizes = parts[2:]
+        self.prefix = prefix if Pb else None
+        self.columns = torch.arange(max(Wb, Pb), device=dev)
         self.bias1 = torch.zeros((Rb, 1, groups, Wb), dtype=dt, device=dev)
-        self.prefix = torch.zeros(Pb, dtype=torch.long, device=dev) if Pb else None
         self.bias0 = torch.zeros((1, 1, 1, Pb), dtype=dt, device=dev) if Pb else None
         self.logits = torch.zeros((Rb, vocab), dtype=torch.float32, device=dev)
 
-    def fill(self, ids, positions, new_slots, table, pads, n_real, prefix) -> None:
-        """Copy one step's host arrays in: ``ids`` / ``positions`` / ``new_slots`` ``int64
-        [R]``, ``table`` ``int64 [R, W]`` (left-padded, new slot last), ``pads`` ``int64 [R]``
-        (padding columns per row), ``n_real`` the table's width ``W``, ``prefix`` ``int64 [P]``.
-        One host-to-device copy per buffer; the biases are built on the device."""
+    def fill(self, ids, positions, new_slots, table, pads, prefix) -> None:
+        """Copy one step's host arrays in, one host-to-device copy: ``ids`` / ``positions`` /
+        ``new_slots`` ``int64 [R]``, ``table`` ``int64 [R, W]`` (left-padded with slot 0, new
+        slot last), ``pads`` ``int64 [R]`` (padding columns per row), ``prefix`` ``int64 [P]``.
+        A padded row (``R <= row < Rb``) reads only its last real column: its own new token,
+        written to the dummy slot 0."""
         Rb, Wb, Pb = self.key
-        R = len(ids)
-        dev = self.ids.device
-        host = np.zeros((3, Rb), dtype=np.int64)
-        host[0, :R], host[1, :R], host[2, :R] = ids, positions, new_slots
-        host_t = torch.from_numpy(host).to(dev, non_blocking=False)
-        self.ids.copy_(host_t[0, :, None])
-        self.positions.copy_(host_t[1, :, None])
-        self.new_slots.copy_(host_t[2])
-        full = np.zeros((Rb, Wb), dtype=np.int64)
-        full[:R, :n_real] = table
-        self.table.copy_(torch.from_numpy(full.ravel()).to(dev))
-        # level 1: a real row attends its columns from its padding on up to W; a padded row its
-        # last real column only (its own new token, in slot 0)
-        first = np.full(Rb, n_real - 1, dtype=np.int64)
-        first[:R] = pads
-        lo = torch.from_numpy(first).to(dev)
-        col = torch.arange(Wb, device=dev)
-        keep = (col[None, :] >= lo[:, None]) & (col[None, :] < n_real)
-        self.bias1.copy_(torch.zeros((), dtype=self.bias1.dtype, device=dev).masked_fill(
-            ~keep, float("-inf"))[:, None, None, :].expand_as(self.bias1))
+        R, W = table.shape
+        host = np.zeros(self.packed.shape[0], dtype=np.int64)
+        head = host[:4 * Rb].reshape(4, Rb)
+        head[0, :R], head[1, :R], head[2, :R] = ids, positions, new_slots
+        head[3, :] = W - 1
+        head[3, :R] = pads
+        host[4 * Rb:4 * Rb + Rb * Wb].reshape(Rb, Wb)[:R, :W] = table
+        host[4 * Rb + Rb * Wb:4 * Rb + Rb * Wb + len(prefix)] = prefix
+        host[-2:] = W, len(prefix)
+        self.packed.copy_(torch.from_numpy(host))
+
+    def prepare(self) -> None:
+        """Build the biases from ``packed`` on the device (kernels of the captured graph)."""
+        Rb, Wb, Pb = self.key
+        cols = self.columns[:Wb]
+        keep = (cols[None, :] >= self.first[:, None]) & (cols[None, :] < self.sizes[0])
+        self.bias1.copy_(torch.where(keep, 0.0, float("-inf"))[:, None, None, :]
+                         .expand_as(self.bias1))
         if Pb:
-            P = len(prefix)
-            padded = np.zeros(Pb, dtype=np.int64)
-            padded[:P] = prefix
-            self.prefix.copy_(torch.from_numpy(padded).to(dev))
-            self.bias0.fill_(float("-inf"))
-            self.bias0[..., :P] = 0
+            self.bias0.copy_(torch.where(self.columns[:Pb] < self.sizes[1], 0.0,
+                                         float("-inf")).view(1, 1, 1, Pb))
 
 
 def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -317,7 +318,7 @@ class DecodeStep:
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
-        buf.fill(ids, positions, new_slots, table, pads, W, prefix)
+        buf.fill(ids, positions, new_slots, table, pads, prefix)
         self.steps += 1
         graph = self.graphs.get(key)
         if graph is None and self.graphs_on and self.failed is None \
@@ -334,6 +335,7 @@ class DecodeStep:
         model = self.model
         with torch.inference_mode(), tree_attention.active(buf), \
                 tree_attention.use_tree_attention(model.config, NAME):
+            buf.prepare()
             out = model(input_ids=buf.ids, position_ids=buf.positions,
                         past_key_values=TreeCache(buf), use_cache=True, logits_to_keep=1)
             buf.logits.copy_(out.logits[:, -1])
