@@ -147,8 +147,9 @@ class AsyncTransformer(AsyncLM):
 
         Returns:
             The tuple `(node, next_token_index, past, base)`: `node` is the deepest KV-tree node
-                on the cached path (`node.slots`: its edge's slots in the KV pool; a root
-                when nothing is cached), `next_token_index` the number of leading tokens whose
+                on the cached path (:class:`CachedNode`: `node.past_key_values` is its edge's
+                KV `[layers, 2, kv_heads, len(edge), head_dim]`, None for a root, as in
+                genlm-backend; `node.slots` its slots in the KV pool), `next_token_index` the number of leading tokens whose
                 KV is cached, `past` their KV as one new tensor `[layers, 2, kv_heads,
                 next_token_index, head_dim]` on the model's device (None when nothing is
                 cached), and `base` equal to `next_token_index` (genback keeps the KV of every
@@ -162,9 +163,10 @@ class AsyncTransformer(AsyncLM):
         ids = self._check_ids(token_ids)
         with self.front.lock:
             segments, n, node = self.runner.tree.match(ids, touch=False, adapter=adapter)
-            past = (self.runner.pool.read(np.concatenate([s for _, _, s in segments])).clone()
+            pool = self.runner.pool
+            past = (pool.read(np.concatenate([s for _, _, s in segments])).clone()
                     if segments else None)
-        return node, n, past, n
+        return CachedNode(node, pool), n, past, n
 
     # -- statistics and reference --------------------------------------------------------------------
 
@@ -192,3 +194,23 @@ def _config_eos(config) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+
+
+class CachedNode:
+    """A KV-tree node as :meth:`AsyncTransformer.walk_cache` returns it: the node's own
+    attributes (``edge``, ``slots``, ``children``, ``depth``, ...) plus genlm-backend's
+    ``past_key_values``: the KV of the node's edge, ``[layers, 2, kv_heads, len(edge),
+    head_dim]`` on the model's device (a copy gathered from the pool), None for a root."""
+
+    __slots__ = ("node", "pool")
+
+    def __init__(self, node, pool):
+        self.node, self.pool = node, pool
+
+    @property
+    def past_key_values(self):
+        slots = self.node.slots
+        return None if slots is None else self.pool.read(slots).clone()
+
+    def __getattr__(self, name):
+        return getattr(self.node, name)
