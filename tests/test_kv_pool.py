@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback.runners.hf.kv_pool import KVPool, run_start
+from genback.runners.hf.kv_pool import INITIAL_SLOTS, KVPool, run_start
 
 LAYOUT = (2, 1, 3, torch.float32, torch.device("cpu"))
 
@@ -75,8 +75,11 @@ def test_growth_counts_versions_and_clear_frees_everything():
     assert pool.version == v
     pool.alloc(20)
     assert pool.version == v + 1 and pool.capacity >= 28
-    pool.clear()
+    pool.alloc(INITIAL_SLOTS)
+    assert pool.version == v + 2 and pool.capacity > INITIAL_SLOTS
+    pool.clear()  # (a store grown past the initial size is released)
     assert pool.in_use == 0 and pool.alloc(3).tolist() == [1, 2, 3]
+    assert pool.capacity == INITIAL_SLOTS and pool.version == v + 3
 
 
 def test_write_and_gather_per_layer():

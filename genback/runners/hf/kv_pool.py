@@ -107,8 +107,12 @@ class KVPool:
             self.in_use -= len(slots)
 
     def clear(self) -> None:
-        """Every slot free again (the store is kept)."""
+        """Every slot free again; a store grown past :data:`INITIAL_SLOTS` is released (a new
+        one of that size replaces it, so clearing the cache gives its memory back)."""
         self.top, self._free, self._n_free, self.in_use = 1, [], 0, 0
+        if self.capacity > INITIAL_SLOTS:
+            self.store = self._new_store(INITIAL_SLOTS)
+            self.version += 1
 
     def _grow(self, need: int) -> None:
         capacity = self.capacity
