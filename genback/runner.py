@@ -37,9 +37,6 @@ class Capabilities:
         batching_kind: who batches, in words (``describe_execution`` shows it).
         adapters: loads LoRA adapters (``add_adapter(path) -> key``, ``remove_adapter(key,
             error)``); queries carry the key.
-        score_extra_positions: positions a :class:`~genback.query.Score` takes beyond its inputs
-            (vLLM scores a prompt by generating one token after it: 1), so the window it leaves
-            for ``context + continuation[:-1]`` is that much shorter.
     """
 
     picks: bool = False
@@ -47,7 +44,6 @@ class Capabilities:
     batching: str = "genback"
     batching_kind: str = "continuous (genback auto-batcher)"
     adapters: bool = False
-    score_extra_positions: int = 0
 
 
 @runtime_checkable

@@ -105,10 +105,7 @@ class Front:
         """
         context = self.context(context_ids, "context_ids")[0]
         continuation = self.contexts(continuation_ids, "continuation_ids")
-        window = self.max_context_length
-        if window:
-            window -= self.capabilities.score_extra_positions
-        check_pair(len(context), len(continuation), window)  # (the engine's rule too)
+        check_pair(len(context), len(continuation), self.max_context_length)  # (the session's too)
         return Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
 
     def check_open(self) -> None:

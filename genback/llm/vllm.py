@@ -148,7 +148,7 @@ class AsyncVirtualLM(AsyncLM):
                 vocab_size=width, batch_size=batch_size,
                 batch_window=batch_window if timeout is None else timeout,
                 row_cache_size=row_cache_size,
-                max_context_length=config.max_model_len - 1,  # room for the one generated token
+                max_context_length=config.max_model_len - 1,  # every kind: vLLM's longest prompt
                 **extra)
         except BaseException:
             engine.close()
