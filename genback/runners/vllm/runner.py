@@ -20,6 +20,9 @@ cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answe
   (``max_model_len - 1`` inputs, vLLM's longest prompt) holds for every kind;
 * KV only (``targets == ()``): one greedy step, so the prompt's blocks enter the prefix cache.
 
+Generations are the runner's too (``Capabilities.streams``): :meth:`VLLMRunner.stream` sends one
+request per generation, sampled by vLLM's sampler (:mod:`.stream`).
+
 A query under a LoRA adapter (``Query.adapter``, a key from :meth:`VLLMRunner.add_adapter`)
 sends its request with that adapter's ``LoRARequest``; vLLM keys its prefix cache by the
 adapter's name, which is new for every registration.
@@ -34,8 +37,10 @@ import torch
 
 from ...query import NextToken, Prefill, Query, Score
 from ...runner import Capabilities
+from ...sampling import SamplingParams
 from .engine import EngineLoop
-from .tap import TAP_KEY, RowSlots
+from .stream import stream_request, vllm_can_sample, vllm_sampling_params
+from .tap import TAP_FQCN, TAP_KEY, RowSlots
 
 
 class VLLMRunner:
@@ -49,7 +54,7 @@ class VLLMRunner:
 
     # vLLM's scheduler batches: AsyncLM sends each query at once (batcher.Immediate)
     capabilities = Capabilities(
-        cache_kind="vLLM prefix cache", batching="engine", adapters=True,
+        cache_kind="vLLM prefix cache", batching="engine", adapters=True, streams=True,
         batching_kind="continuous (vLLM scheduler, one request per query)")
 
     def __init__(self, engine: EngineLoop, width: int, use_tap: bool):
@@ -57,6 +62,7 @@ class VLLMRunner:
 
         self.engine = engine
         self.width = width
+        self.max_model_len = engine.engine.model_config.max_model_len
         self.slots = RowSlots(width) if use_tap else None
         self.use_tap = use_tap
         self.tap_fallbacks = 0  # rows the tap could not serve (answered by the fallback)
@@ -119,6 +125,53 @@ class VLLMRunner:
         if request is None:
             raise ValueError(f"LoRA adapter key {adapter} was removed (remove_lora)")
         return request
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    @property
+    def row_source(self) -> str:
+        """How next-token rows leave the engine: ``"tap"`` (genback's logits processor, the
+        default when the engine has it) or ``"logprobs"`` (vLLM's ``logprobs=-1`` output).
+        Settable; ``"tap"`` raises ``ValueError`` on an engine built without ``RowTap``."""
+        return "tap" if self.use_tap else "logprobs"
+
+    @row_source.setter
+    def row_source(self, value: str) -> None:
+        if value not in ("tap", "logprobs"):
+            raise ValueError(f"row_source must be 'tap' or 'logprobs', got {value!r}")
+        if value == "tap" and self.slots is None:
+            raise ValueError("row_source='tap' needs an engine built with "
+                             f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
+        self.use_tap = value == "tap"
+
+    # -- generations (streams=True) ------------------------------------------------------------
+
+    def can_stream(self, params: SamplingParams, min_new_tokens: int, enders: frozenset[int],
+                   eos_token_ids: frozenset[int]) -> bool:
+        """Whether vLLM's sampler takes this generation (:func:`.stream.vllm_can_sample`);
+        otherwise the facade runs its next-token loop."""
+        return vllm_can_sample(params, min_new_tokens, enders, eos_token_ids)
+
+    def stream(self, prompt: list[int], params: SamplingParams, max_new_tokens: int,
+               min_new_tokens: int, enders: frozenset[int], adapter: int | None):
+        """Async iterator of the :class:`~genback.sampling.Choice` of each new token, as vLLM
+        makes them: one request (:func:`.stream.stream_request`), closed -> aborted.
+
+        Raises:
+            ValueError: the prompt plus ``max_new_tokens`` exceed ``max_model_len``, or the
+                adapter was removed.
+        """
+        if len(prompt) + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)} tokens) plus {max_new_tokens} new tokens "
+                f"(max_new_tokens; sample's max_tokens) exceed the engine's "
+                f"max_model_len={self.max_model_len}")
+        lora = self.lora_request(adapter)
+        if max_new_tokens == 0:
+            return _nothing()
+        vparams = vllm_sampling_params(params, max_new_tokens, min_new_tokens, enders)
+        return stream_request(self.engine, prompt, vparams, lora, adapter,
+                              params.top_logprobs, enders)
 
     # -- on the engine loop --------------------------------------------------------------------
 
@@ -227,9 +280,14 @@ class VLLMRunner:
             warnings.warn(self._warnings.pop(), RuntimeWarning, stacklevel=4)
 
     def stats(self) -> dict:
+        """``requests`` (vLLM requests sent; also reported as ``forwards``: vLLM schedules
+        each), ``aborted`` (requests aborted: every caller cancelled, ``reset_async_queries``,
+        ``aclose``), ``in_flight``, ``tokens_forwarded`` (prompt tokens not served by vLLM's
+        prefix cache), ``tap_fallbacks`` (rows the tap could not serve) and ``row_slots``
+        (shared-memory rows allocated)."""
         engine = self.engine
         return {"forwards": engine.requests, "requests": engine.requests,
-                "aborted": engine.cancelled, "in_flight": len(engine._inflight),
+                "aborted": engine.cancelled, "in_flight": engine.in_flight,
                 "tokens_forwarded": self.tokens_forwarded, "tap_fallbacks": self.tap_fallbacks,
                 "row_slots": 0 if self.slots is None else
                 self.slots.segments * self.slots.segment_rows}
@@ -248,6 +306,11 @@ class VLLMRunner:
         self.engine.close()
         if self.slots is not None:
             self.slots.close()
+
+
+async def _nothing():
+    return
+    yield  # an empty async iterator (max_new_tokens=0)
 
 
 def flat_row(flat, width: int) -> torch.Tensor:
