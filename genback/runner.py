@@ -41,9 +41,10 @@ class Capabilities:
             otherwise decoding steps ask for a :class:`~genback.query.NextToken` row and choose
             on the host.
         cache_kind: the model state kept between queries, in words (``"prefix tree"``), or None.
-        batching: ``"genback"`` (``run`` takes batches from genback's :class:`~genback.batcher.Batcher`) or
-            ``"engine"`` (the runner's engine batches and schedules: each query goes at once to
-            ``async answer(query)``, and ``reset(message)`` aborts what is in flight).
+        batching: ``"genback"`` (``run`` takes batches from genback's
+            :class:`~genback.batcher.Batcher`) or ``"engine"`` (the runner's engine batches and
+            schedules: each query goes at once to ``async answer_shared(query)``, and
+            ``reset(message)`` aborts what is in flight; :class:`EngineRunner`).
         batching_kind: who batches, in words (``describe_execution`` shows it).
         adapters: loads LoRA adapters (``add_adapter(path) -> key``, ``remove_adapter(key,
             error)``); queries carry the key.

@@ -1,16 +1,13 @@
 """``AsyncLM``: the async next-token API shared by every backend.
 
-``AsyncLM`` has no base classes; it composes explicit parts: ``front``
-(:class:`~genback.llm.front.Front`: input checks, the output cache, counters, the forward lock,
-the adapters (:class:`~genback.llm.adapters.Adapters`, LoRA names, when the runner loads them) and
-the scheduler — *when*: genback's :class:`~genback.batcher.Batcher`, or
-:class:`~genback.batcher.Immediate` for engines that schedule themselves), ``runner`` (*what*: see
+``AsyncLM`` has no base classes; it composes parts: ``front`` (:class:`~genback.llm.front.Front`:
+input checks, the output cache, counters, the forward lock, the adapters
+(:class:`~genback.llm.adapters.Adapters`) and the scheduler, *when*), ``runner`` (*what*:
 :mod:`genback.runner`; its ``capabilities`` choose the scheduler and who streams generations),
 ``decoding`` (:class:`~genback.llm.decoding.Decoding`: steps, generation, sampling) and ``queue``
-(:class:`~genback.llm.queue_api.QueueAPI`: genlm-backend's queue hooks). The parts use the front's
+(:class:`~genback.llm.queue_api.QueueAPI`: genlm-backend's queue hooks), which use the front's
 public methods only. Every public method takes the front's one path; the backends
-(``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) only build a runner
-and add their own constructors.
+(``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) only construct.
 """
 
 from __future__ import annotations
@@ -43,13 +40,13 @@ class AsyncLM:
             a batch with as many callers as the loop's last batches goes at once
             (:mod:`genback.batcher`).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
-        max_context_length: most tokens a context may have (None: no limit).
+        max_context_length: the window: most tokens a forward's inputs may have (None: no
+            limit; :mod:`genback.window`).
         eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
             config's); see :attr:`eos_token_ids`.
 
-    The first model built in a process freezes the Python heap that exists then (the loaded
-    libraries and weights: :func:`genback.heap.freeze_startup_heap`), so that garbage
-    collections during serving stop rescanning it; ``GENBACK_GC_FREEZE=0`` turns that off.
+    The first model built in a process freezes the Python heap that exists then
+    (:func:`genback.heap.freeze_startup_heap`; ``GENBACK_GC_FREEZE=0`` turns that off).
 
     Raises:
         ValueError: an option out of range.
@@ -90,8 +87,7 @@ class AsyncLM:
 
     @property
     def scheduler(self):
-        """The front's scheduler: a :class:`~genback.batcher.Batcher`, or an
-        :class:`~genback.batcher.Immediate` for a runner that schedules by itself."""
+        """The front's scheduler (:class:`~genback.batcher.Batcher` or ``Immediate``)."""
         return self.front.scheduler
 
     @property
@@ -117,14 +113,8 @@ class AsyncLM:
     def batch_window(self, value: float) -> None:
         self.scheduler.window = Batcher.check_window(value)
 
-    @property
-    def timeout(self) -> float:
-        """genlm-backend's name of :attr:`batch_window`."""
-        return self.batch_window
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        self.batch_window = value
+    timeout = property(batch_window.fget, batch_window.fset,
+                       doc="genlm-backend's name of :attr:`batch_window`.")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -135,14 +125,12 @@ class AsyncLM:
 
     @property
     def cache_kind(self) -> str | None:
-        """What model state the backend keeps between queries, in words (``"prefix tree"`` for
-        AsyncTransformer's KV tree, ``"vLLM prefix cache"``), or None."""
+        """The model state kept between queries, in words (``"prefix tree"``), or None."""
         return self.capabilities.cache_kind
 
     @property
     def batching_kind(self) -> str:
-        """Who batches concurrent queries, in words: genback's auto-batcher (one forward for the
-        queries of a batch window), or on AsyncVirtualLM vLLM's own scheduler."""
+        """Who batches concurrent queries, in words (genback's auto-batcher, vLLM's scheduler)."""
         return self.capabilities.batching_kind
 
     # -- vocabulary (decoded on first use) ------------------------------------------------------
@@ -301,23 +289,21 @@ class AsyncLM:
         logprobs, greedy = await self.front.ask(query)
         return logprobs.clone(), greedy.clone()
 
-    # -- caches and lifecycle -------------------------------------------------------------------------
+    # -- caches and lifecycle ----------------------------------------------------------------------
 
     def cache_info(self) -> dict:
         """Counters, read without waiting for a running forward: ``queries`` (calls answered),
         ``tokens_queried`` (their context lengths), ``row_hits`` (answered from the output
         cache), ``batches``, ``batched_queries`` (distinct queries those batches computed),
-        ``rows_cached`` and ``rows_bytes`` (the output cache), plus the runner's own
-        (``forwards``, ``tokens_forwarded``, and for AsyncTransformer ``kv_bytes``,
-        ``kv_budget_bytes``, ``kv_nodes``, ``evictions``, ``kv_merges`` (nodes merged into their
-        child), ``attention``, ...; AsyncVirtualLM's:
+        ``rows_cached`` and ``rows_bytes`` (the output cache), then the runner's ``stats()``
+        (``forwards``, ``tokens_forwarded``; AsyncTransformer's KV tree: ``kv_bytes``,
+        ``kv_nodes``, ``evictions``, ``attention``, ...; AsyncVirtualLM's:
         :meth:`genback.runners.vllm.runner.VLLMRunner.stats`)."""
         return self.front.info()
 
     @property
     def forwards(self) -> int:
-        """Model forwards the runner ran for batches, not counting uncached references
-        (``cache_info()["forwards"]``; on vLLM its requests)."""
+        """Forwards the runner ran (``cache_info()["forwards"]``; on vLLM its requests)."""
         return self.runner.stats()["forwards"]
 
     @property
@@ -369,7 +355,7 @@ class AsyncLM:
             return
         self.front.close()
 
-    # -- the parts' methods: decoding (lm.decoding), genlm-backend's queue (lm.queue) -----------------
+    # -- the parts' methods: decoding (lm.decoding), genlm-backend's queue (lm.queue) -------------
 
     async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
         """One decoding step: :meth:`.decoding.Decoding.choose_next`."""
