@@ -286,3 +286,20 @@ async def test_cache_kv_pins_a_prompt_against_eviction(tiny_hf, gpt2_tok):
         assert lm.cache_info()["kv_bytes"] == 0
     finally:
         await lm.aclose()
+
+
+async def test_queries_stay_immutable_and_cached_keys_drop_the_lineage_hint(tiny_lm):
+    """The front's row cache keeps a copy of a query without its ``parent`` (a cached key must
+    not keep the parent context alive); the query itself is never changed."""
+    from genback.query import NextToken
+
+    parent = (464, 3139, 286)
+    await tiny_lm.next_token_logprobs(list(parent))
+    query = tiny_lm.front.next_token(list(parent) + [4881], None)
+    assert query.parent == parent  # found by lineage: the validated parent context
+    [row] = tiny_lm.front.compute([query])
+    assert query.parent == parent
+    cached = tiny_lm.front.cache.get(NextToken(query.tokens))
+    assert cached is not None and torch.equal(cached, row)
+    [key] = [k for k in tiny_lm.front.cache._rows if k == query]  # (the cache's own keys)
+    assert key is not query and key.parent is None

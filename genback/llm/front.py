@@ -225,9 +225,10 @@ class Front:
 
     def store(self, query: Query, value) -> None:
         """Keep a computed next-token row (with :meth:`store_many`, the only place the output
-        cache is written). The key is a new query without the lineage hint (``parent``): it
-        served the runner's match, and a cached key would otherwise keep its parent context
-        alive too (queries are immutable, so the hint is left out rather than cleared)."""
+        cache is written). The key is the query without its lineage hint
+        (:meth:`genback.query.NextToken.without_parent`): the hint served the runner's match, and
+        a cached key would otherwise keep its parent context alive too (queries are immutable,
+        so the hint is left out of a copy rather than cleared)."""
         self.store_many((query,), (value,))
 
     def store_many(self, queries, values) -> None:
@@ -235,9 +236,7 @@ class Front:
         rows = []
         for query, value in zip(queries, values):
             if type(query) is NextToken and not isinstance(value, BaseException):
-                if query.parent is not None:
-                    query = NextToken(query.tokens, query.adapter, query.tokens_hash)
-                rows.append((query, value))
+                rows.append((query.without_parent(), value))
         if rows:
             self.cache.put_many(rows)
 
