@@ -24,7 +24,6 @@ dead engine process is reported as such by the next call. Supported: ``vllm`` / 
 
 from __future__ import annotations
 
-import inspect
 import weakref
 
 import torch
@@ -136,16 +135,13 @@ class AsyncVirtualLM(AsyncLM):
             runner = VLLMRunner(engine, width, use_tap=any(
                 p in (TAP_FQCN, OLD_TAP_FQCN) or getattr(p, "__name__", None) == "RowTap"
                 for p in registered))
-            extra = {}
-            if "eos_token_ids" in inspect.signature(AsyncLM.__init__).parameters:
-                extra["eos_token_ids"] = _generation_eos(config)  # AsyncLM with eos_token_ids
             super().__init__(
                 tokenizer if tokenizer is not None else engine.engine.get_tokenizer(), runner,
                 vocab_size=width, batch_size=batch_size,
                 batch_window=batch_window if timeout is None else timeout,
                 row_cache_size=row_cache_size,
                 max_context_length=config.max_model_len - 1,  # every kind: vLLM's longest prompt
-                **extra)
+                eos_token_ids=_generation_eos(config))
         except BaseException:
             engine.close()
             raise
