@@ -413,6 +413,8 @@ def parse(argv=None):
     p.add_argument("--caller-gc-inside", action="store_true",
                    help="do not collect the caller's new context lists between steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode", default="auto", choices=["auto", "graphs", "eager", "off"],
+                   help="AsyncTransformer's decode mode (default auto: the tree path on the CPU)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
     args = p.parse_args(argv)
@@ -444,7 +446,8 @@ def main(argv=None) -> dict:
                 r = asyncio.run(smc_cell(model, tok, n, ctx, steps=args.steps,
                                          warmup=args.warmup, resample=args.resample,
                                          seed=args.seed,
-                                         caller_gc_inside=args.caller_gc_inside))
+                                         caller_gc_inside=args.caller_gc_inside,
+                                         lm_kwargs={"decode": args.decode}))
                 results["smc"].append(r)
                 print(row_md(args.model, r), flush=True)
     if not args.no_nested:

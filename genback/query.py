@@ -79,6 +79,17 @@ class NextToken(Query):
 
     __slots__ = ()
 
+    def without_parent(self) -> "NextToken":
+        """An equal query without the lineage hint ``parent`` (``self`` when it has none): the
+        key the output cache keeps, so that a cached row does not keep its parent context
+        alive. Copies the fields (~0.2 us; building a new query re-hashes: ~0.6 us)."""
+        if self.parent is None:
+            return self
+        key = object.__new__(NextToken)
+        key.tokens, key.adapter, key.parent = self.tokens, self.adapter, None
+        key.tokens_hash, key._hash = self.tokens_hash, self._hash
+        return key
+
 
 class Prefill(Query):
     """Compute and keep the KV of ``tokens`` (a prompt pinned by ``cache_kv``, a prefix several

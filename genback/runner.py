@@ -8,18 +8,28 @@ It declares what it can do in a :class:`Capabilities` record, from which ``Async
 parts: a runner that batches by itself (vLLM's engine) gets each query at once
 (:class:`genback.batcher.Immediate`), the others genback's :class:`genback.batcher.Batcher`.
 
-Every method except ``stats`` (and, for ``batching="engine"`` runners, ``answer`` and ``reset``)
-is called with the front's forward lock held, from the batcher's worker thread or from a sync
-caller's thread; ``stats`` is called without it and must never wait for a forward (plain counters
-read as they are).
+What ``AsyncLM`` (its front and parts) calls on a runner, by what the runner declares:
+
+| declared | methods | protocol |
+|---|---|---|
+| always | ``run``, ``stats``, ``clear``, ``pin``, ``close`` | :class:`Runner` |
+| ``batching="engine"`` | ``async answer_shared(query)``, ``reset(message)``, ``requests()`` | :class:`EngineRunner` |
+| ``adapters`` | ``add_adapter(path)``, ``remove_adapter(key, error)`` | :class:`AdapterRunner` |
+| ``streams`` | ``can_stream(...)``, ``stream(...)`` | :class:`StreamingRunner` |
+
+Nothing else of a runner is read by the front, the parts or the facade. Every method except
+``stats``, the engine runner's and the streaming runner's is called with the front's forward
+lock held, from the batcher's worker thread or from a sync caller's thread; ``stats`` is called
+without it and must never wait for a forward (plain counters read as they are).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 from .query import Query
+from .sampling import Choice, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -31,15 +41,16 @@ class Capabilities:
             otherwise decoding steps ask for a :class:`~genback.query.NextToken` row and choose
             on the host.
         cache_kind: the model state kept between queries, in words (``"prefix tree"``), or None.
-        batching: ``"genback"`` (``run`` takes batches from genback's :class:`Batcher`) or
-            ``"engine"`` (the runner's engine batches and schedules: each query goes at once to
-            ``async answer(query)``, and ``reset(message)`` aborts what is in flight).
+        batching: ``"genback"`` (``run`` takes batches from genback's
+            :class:`~genback.batcher.Batcher`) or ``"engine"`` (the runner's engine batches and
+            schedules: each query goes at once to ``async answer_shared(query)``, and
+            ``reset(message)`` aborts what is in flight; :class:`EngineRunner`).
         batching_kind: who batches, in words (``describe_execution`` shows it).
         adapters: loads LoRA adapters (``add_adapter(path) -> key``, ``remove_adapter(key,
             error)``); queries carry the key.
-        score_extra_positions: positions a :class:`~genback.query.Score` takes beyond its inputs
-            (vLLM scores a prompt by generating one token after it: 1), so the window it leaves
-            for ``context + continuation[:-1]`` is that much shorter.
+        streams: makes whole generations itself (vLLM's engine and sampler): ``generate_stream``
+            hands it each generation it ``can_stream``; otherwise (and for the others) a
+            generation is the facade's next-token loop.
     """
 
     picks: bool = False
@@ -47,7 +58,7 @@ class Capabilities:
     batching: str = "genback"
     batching_kind: str = "continuous (genback auto-batcher)"
     adapters: bool = False
-    score_extra_positions: int = 0
+    streams: bool = False
 
 
 @runtime_checkable
@@ -73,3 +84,48 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release resources; no call follows."""
+
+
+@runtime_checkable
+class EngineRunner(Runner, Protocol):
+    """A runner whose engine batches and schedules (``batching="engine"``): the front's
+    :class:`~genback.batcher.Immediate` sends it each query at once."""
+
+    async def answer_shared(self, query: Query):
+        """The result of one query, from any event loop, sharing a request with identical
+        queries in flight; cancelling the caller aborts it once no other caller shares it."""
+
+    def reset(self, message: str) -> int:
+        """Abort everything in flight (callers get ``BatcherClosed(message)``); how many callers
+        were failed."""
+
+    def requests(self) -> int:
+        """Requests sent to the engine so far (reported as batches)."""
+
+
+@runtime_checkable
+class AdapterRunner(Runner, Protocol):
+    """A runner that loads LoRA adapters (``adapters=True``; :mod:`genback.llm.adapters`)."""
+
+    def add_adapter(self, path: str) -> int:
+        """Load the adapter folder ``path``; return its new key (never reused)."""
+
+    def remove_adapter(self, key: int, error: BaseException) -> None:
+        """Free adapter ``key`` and every state computed under it; its queries in flight fail
+        with ``error``."""
+
+
+@runtime_checkable
+class StreamingRunner(Runner, Protocol):
+    """A runner that makes whole generations (``streams=True``)."""
+
+    def can_stream(self, params: SamplingParams, min_new_tokens: int, enders: frozenset[int],
+                   eos_token_ids: frozenset[int]) -> bool:
+        """Whether it takes a generation with these options."""
+
+    def stream(self, prompt: list[int], params: SamplingParams, max_new_tokens: int,
+               min_new_tokens: int, enders: frozenset[int], adapter: int | None
+               ) -> AsyncIterator[Choice]:
+        """The choices of one generation up to ``max_new_tokens`` or the first ender (yielded
+        last); closing the iterator stops it. Raises ``ValueError`` for a request it cannot
+        take."""

@@ -301,3 +301,20 @@ async def test_a_query_asked_twice_in_a_batch_gives_each_caller_its_own_copy():
             assert (got[0] is got[1]) == (copy is None)
         finally:
             b.close()
+
+
+async def test_queries_stay_immutable_and_cached_keys_drop_the_lineage_hint(tiny_lm):
+    """The front's row cache keeps a copy of a query without its ``parent`` (a cached key must
+    not keep the parent context alive); the query itself is never changed."""
+    from genback.query import NextToken
+
+    parent = (464, 3139, 286)
+    await tiny_lm.next_token_logprobs(list(parent))
+    query = tiny_lm.front.next_token(list(parent) + [4881], None)
+    assert query.parent == parent  # found by lineage: the validated parent context
+    [row] = tiny_lm.front.compute([query])
+    assert query.parent == parent
+    cached = tiny_lm.front.cache.get(NextToken(query.tokens))
+    assert cached is not None and torch.equal(cached, row)
+    [key] = [k for k in tiny_lm.front.cache._rows if k == query]  # (the cache's own keys)
+    assert key is not query and key.parent is None

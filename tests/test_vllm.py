@@ -483,6 +483,66 @@ def test_default_backend_choice():
     assert _default_backend() == ("vllm" if torch.cuda.is_available() else "hf")
 
 
+def test_requests_longer_than_the_window_equal_transformers(vlm, smol_hf):
+    """One window (``max_model_len - 1`` inputs) for rows, scores and the session: pairs and
+    rolling texts longer than it, and at its edge, are answered on vLLM as the HF backend
+    answers them with the same window (HF's own is 8,192). Late in the module, and with its own
+    AsyncTransformer: the rolling windows validate the context ``[BOS] = [1]``, which lets
+    ``[True, 1]`` pass the remembered-context check of ``test_bad_inputs_raise_like_transformer``
+    (a known gap of ``ContextChecker``: ``True == 1`` in tuple equality)."""
+    from pathlib import Path
+
+    from genback.engine import GenbackEngine, LoglikelihoodRequest, RollingLoglikelihoodRequest
+
+    window = vlm.max_context_length
+    assert window == ENGINE_OPTS["max_model_len"] - 1
+    words = (Path(__file__).parent / "data" / "engine" / "passage.txt").read_text().split()
+    rng = random.Random(7)
+    ids = smol_hf[1].encode(" ".join(rng.choice(words) for _ in range(3000)))
+    assert len(ids) > 3 * window
+    pairs = [(ids[:700], ids[700:705]), (ids[100:1500], ids[1500:1501]),
+             (ids[:window - 2], ids[window - 2:window + 1]),   # inputs: exactly the window
+             (ids[:window - 1], ids[window - 1:window + 1]),   # one more: the context is cut
+             (ids[5:9], ids[9:9 + window])]                   # a continuation of the window
+    texts = [ids[:700], ids[:1300], ids[:window], ids[:window + 1], ids[:2 * window + 1]]
+    lls = [LoglikelihoodRequest(context_input_ids=c, continuation_input_ids=x) for c, x in pairs]
+    rolls = [RollingLoglikelihoodRequest("", input_ids=t) for t in texts]
+    ref = AsyncTransformer(*smol_hf)
+    vllm_session = GenbackEngine(lm=vlm).build()
+    hf_session = GenbackEngine(lm=ref, max_length=window).build()
+    try:
+        assert vllm_session.max_length == hf_session.max_length == window
+        before = vlm.cache_info()["requests"]
+        got = vllm_session.loglikelihood(lls) + vllm_session.loglikelihood_rolling(rolls)
+        assert vlm.cache_info()["requests"] > before
+        want = hf_session.loglikelihood(lls) + hf_session.loglikelihood_rolling(rolls)
+    finally:
+        vllm_session.close()
+        hf_session.close()
+        ref.close()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert "error" not in g.metadata and "error" not in w.metadata, (i, g.metadata)
+        assert g.token_count == w.token_count, i
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-3 if i < len(pairs) else 1e-2), i
+        if i < len(pairs):
+            assert g.is_greedy == w.is_greedy, i
+
+
+async def test_a_pair_beyond_the_window_fails_alone_with_a_clear_error(vlm, ref):
+    """``score`` takes a pair whose forward is exactly the window (the session truncates longer
+    ones first); one input more fails alone, naming the window."""
+    window = vlm.max_context_length
+    ctx, cont = [5] * (window - 2), [6, 7, 8, 9]  # inputs: window + 1
+    got = await asyncio.gather(vlm.score(ctx, cont), vlm.score(ctx[1:], cont),
+                               return_exceptions=True)
+    assert isinstance(got[0], ValueError)
+    assert f"takes {window + 1} inputs" in str(got[0])
+    assert f"more than the model's window of {window}" in str(got[0])
+    ref_lps, ref_greedy = await ref.score(ctx[1:], cont)
+    assert (got[1][0] - ref_lps).abs().max().item() < TOL
+    assert got[1][1].tolist() == ref_greedy.tolist()
+
+
 async def test_engine_failure_fails_requests_then_close_frees_it(engine_procs):
     """Kill the engine process (as a crash would): queries fail with a clear error, aclose works
     (twice), and every process of the engine is gone afterwards."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numbers
 
 __all__ = ["check_loglikelihood_request", "check_rolling_request", "check_generation_request",
-           "token_ids"]
+           "token_ids", "check_batch_size"]
 
 _LL_FIELDS = ("context", "continuation", "context_input_ids", "continuation_input_ids")
 
@@ -111,3 +111,11 @@ def check_generation_request(request) -> list[str]:
         raise TypeError(f"stop must be a str or a list of str, got {_show(request.stop)}")
     _metadata(request)
     return list(stop)
+
+
+def check_batch_size(batch_size) -> None:
+    """Raises ``ValueError`` unless ``batch_size`` (a call's requests in flight) is None or a
+    positive int."""
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")

@@ -23,7 +23,11 @@ the default) and offers Evalution's (``pair_encoding="separate"``). Requests tha
 
 from __future__ import annotations
 
-__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair"]
+from ..window import truncate_pair
+from .checks import check_loglikelihood_request, token_ids
+
+__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair",
+           "encode_loglikelihood"]
 
 PAIR_ENCODINGS = ("lm_eval", "separate")
 
@@ -85,3 +89,34 @@ def encode_pair(tokenizer, context: str, continuation: str, mode: str = "lm_eval
     whole = encode_text(tokenizer, context + continuation)
     ctx = encode_text(tokenizer, context)
     return ctx, whole[len(ctx):]
+
+
+def encode_loglikelihood(tokenizer, request, mode: str, window: int
+                         ) -> tuple[list[int], list[int]]:
+    """``(context_ids, continuation_ids)`` of a ``LoglikelihoodRequest``, fitted to ``window``.
+
+    Token-id fields are used as given; text fields are encoded with :func:`encode_pair` (both
+    texts) or on their own (one text beside ids); an empty context becomes the prefix token.
+    The pair is then cut on the left to the window (:func:`genback.window.truncate_pair`).
+
+    Raises:
+        TypeError: a malformed request (:func:`.checks.check_loglikelihood_request`).
+        ValueError: the continuation tokenizes to no tokens, or is longer than ``window``.
+    """
+    check_loglikelihood_request(request)
+    ctx = token_ids(request.context_input_ids, "context_input_ids")
+    cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
+    if ctx is None and cont is None:
+        ctx, cont = encode_pair(tokenizer, request.context or "", request.continuation or "", mode)
+    else:
+        if ctx is None:
+            ctx = encode_text(tokenizer, request.context) if request.context else []
+        if cont is None:
+            cont = list(tokenizer.encode(request.continuation or "", add_special_tokens=False))
+        if not ctx:
+            ctx = [prefix_token_id(tokenizer)]
+    if not cont:
+        raise ValueError(f"continuation={request.continuation!r} (continuation_input_ids="
+                         f"{request.continuation_input_ids!r}) tokenizes to no tokens; "
+                         f"nothing to score")
+    return truncate_pair(ctx, cont, window)

@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any
 
 __all__ = ["LoopThread", "SessionClosed"]
@@ -89,6 +89,45 @@ class LoopThread:
                 yield in_flight.pop(future), future.result()
         finally:  # the caller stopped early or a job raised: drop the remaining work
             for future in in_flight:
+                future.cancel()
+
+    async def events(self, start: Callable[[Callable[[Any], None]], Coroutine],
+                     finished: Callable[[Any], bool]) -> AsyncIterator[Any]:
+        """Run ``start(push)`` on this loop and yield, on the caller's loop, each event it
+        ``push``es, until one is ``finished`` or the coroutine ends.
+
+        Leaving the iteration early (``break``) or cancelling its consumer cancels the
+        coroutine.
+
+        Raises:
+            Exception: the coroutine's error, when it ends without a finished event.
+            SessionClosed: the coroutine was cancelled (the session closed).
+        """
+        caller = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item):  # (event,), or None once the coroutine ended
+            try:
+                caller.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone: nobody is listening
+                pass
+
+        future = self.submit(start(lambda event: put((event,))))
+        future.add_done_callback(lambda _: put(None))
+
+        try:
+            while True:
+                item = await events.get()
+                if item is None:  # ended without a finished event: raise why
+                    if future.cancelled():
+                        raise SessionClosed("the generation was cancelled (session closed)")
+                    future.result()
+                    return
+                yield item[0]
+                if finished(item[0]):
+                    return
+        finally:
+            if not future.done():
                 future.cancel()
 
     def close(self, final: Callable[[], Coroutine] | None = None) -> bool:

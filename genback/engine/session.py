@@ -28,15 +28,14 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Callable
 
 from .base import BaseInferenceSession
-from .checks import (check_generation_request, check_loglikelihood_request,
-                     check_rolling_request, token_ids)
-from ..window import truncate_pair
-from .encoding import PAIR_ENCODINGS, encode_pair, encode_text, prefix_token_id
+from .checks import check_batch_size, check_generation_request, check_rolling_request, token_ids
+from .encoding import PAIR_ENCODINGS, encode_loglikelihood, encode_text, prefix_token_id
 from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
 from .scoring import score, score_rolling, sharing_order
 from .types import (GenerationOutput, GenerationRequest, LoglikelihoodOutput,
-                    LoglikelihoodRequest, RollingLoglikelihoodOutput, RollingLoglikelihoodRequest)
+                    LoglikelihoodRequest, RollingLoglikelihoodOutput, RollingLoglikelihoodRequest,
+                    generation_error, loglikelihood_error, rolling_error)
 
 __all__ = ["GenbackSession"]
 
@@ -127,36 +126,18 @@ class GenbackSession(BaseInferenceSession):
         requests = list(requests)
         if not requests:
             return []
-        _check_batch_size(batch_size)
+        check_batch_size(batch_size)
         return self._loop_thread.call(self._gather(requests, fn, default, batch_size))
 
     def _continuous(self, items: Iterable, fn, default, batch_size) -> Iterator[tuple[Any, Any]]:
-        _check_batch_size(batch_size)
+        check_batch_size(batch_size)
         return self._loop_thread.continuous(items, lambda r: self._guarded(fn, r, default),
                                        batch_size or self.max_in_flight)
 
     # -- log-likelihood ----------------------------------------------------------------------------
 
     def _encode_ll(self, request: LoglikelihoodRequest) -> tuple[list[int], list[int]]:
-        check_loglikelihood_request(request)
-        ctx = token_ids(request.context_input_ids, "context_input_ids")
-        cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
-        if ctx is None and cont is None:
-            ctx, cont = encode_pair(self.tokenizer, request.context or "",
-                                    request.continuation or "", self.pair_encoding)
-        else:
-            if ctx is None:
-                ctx = encode_text(self.tokenizer, request.context) if request.context else []
-            if cont is None:
-                cont = list(self.tokenizer.encode(request.continuation or "",
-                                                  add_special_tokens=False))
-            if not ctx:
-                ctx = [prefix_token_id(self.tokenizer)]
-        if not cont:
-            raise ValueError(f"continuation={request.continuation!r} (continuation_input_ids="
-                             f"{request.continuation_input_ids!r}) tokenizes to no tokens; "
-                             f"nothing to score")
-        return truncate_pair(ctx, cont, self.max_length)
+        return encode_loglikelihood(self.tokenizer, request, self.pair_encoding, self.max_length)
 
     async def _loglikelihood_one(self, request: LoglikelihoodRequest) -> LoglikelihoodOutput:
         return await self._score_encoded((request, self._encode_ll(request)))
@@ -200,10 +181,7 @@ class GenbackSession(BaseInferenceSession):
             raise error
         return results
 
-    @staticmethod
-    def _ll_error(request, message: str) -> LoglikelihoodOutput:
-        return LoglikelihoodOutput(float("-inf"), False, 0,
-                                   {**(getattr(request, "metadata", None) or {}), "error": message})
+    _ll_error = staticmethod(loglikelihood_error)
 
     def loglikelihood(self, requests: list[LoglikelihoodRequest], *,
                       batch_size: int | None = None,
@@ -238,7 +216,7 @@ class GenbackSession(BaseInferenceSession):
         requests = list(requests)
         if not requests:
             return []
-        _check_batch_size(batch_size)
+        check_batch_size(batch_size)
         return self._loop_thread.call(
             self._loglikelihood_all(requests, batch_size or self.max_in_flight, progress))
 
@@ -264,10 +242,7 @@ class GenbackSession(BaseInferenceSession):
                                     self.max_length)
         return RollingLoglikelihoodOutput(total, len(tokens), dict(request.metadata or {}))
 
-    @staticmethod
-    def _rolling_error(request, message: str) -> RollingLoglikelihoodOutput:
-        return RollingLoglikelihoodOutput(float("-inf"), 0,
-                                          {**(getattr(request, "metadata", None) or {}), "error": message})
+    _rolling_error = staticmethod(rolling_error)
 
     def loglikelihood_rolling(self, requests: list[RollingLoglikelihoodRequest], *,
                               batch_size: int | None = None) -> list[RollingLoglikelihoodOutput]:
@@ -305,13 +280,7 @@ class GenbackSession(BaseInferenceSession):
                             eos_ids=self._eos, max_length=self.max_length, on_event=on_event,
                             metadata=request.metadata)
 
-    @staticmethod
-    def _gen_error(request, message: str) -> GenerationOutput:
-        prompt = getattr(request, "prompt", None) or getattr(request, "rendered_prompt", None) or ""
-        meta = {**(getattr(request, "metadata", None) or {}), "error": message,
-                "finish_reason": "error", "prompt_tokens": 0, "completion_tokens": 0,
-                "token_ids": []}
-        return GenerationOutput(prompt=prompt, text="", metadata=meta)
+    _gen_error = staticmethod(generation_error)
 
     def generate(self, requests: list[GenerationRequest], *,
                  batch_size: int | None = None) -> list[GenerationOutput]:
@@ -363,31 +332,10 @@ class GenbackSession(BaseInferenceSession):
                 longer than the window), raised from the iteration.
             SessionClosed: the session is closed, or closed while the generation ran.
         """
-        caller = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def push(event):
-            try:
-                caller.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the caller's loop is gone: nobody is listening
-                pass
-
-        future = self._loop_thread.submit(self._generate_one(request, on_event=push))
-        future.add_done_callback(lambda f: push(None))
-        try:
-            while True:
-                event = await events.get()
-                if event is None:  # finished without a final event: raise why
-                    if future.cancelled():
-                        raise SessionClosed("the generation was cancelled (session closed)")
-                    future.result()
-                    return
-                yield event
-                if event.finished:
-                    return
-        finally:
-            if not future.done():
-                future.cancel()
+        async for event in self._loop_thread.events(
+                lambda push: self._generate_one(request, on_event=push),
+                lambda event: event.finished):
+            yield event
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -448,8 +396,3 @@ class GenbackSession(BaseInferenceSession):
             "errors": self.errors,
         }
 
-
-def _check_batch_size(batch_size) -> None:
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")

@@ -90,3 +90,30 @@ class RollingLoglikelihoodOutput:
     logprob: float
     token_count: int
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the documented outputs of a failed request (errors="record") ------------------------------------
+
+
+def _error_metadata(request, message: str) -> dict[str, Any]:
+    return {**(getattr(request, "metadata", None) or {}), "error": message}
+
+
+def loglikelihood_error(request, message: str) -> LoglikelihoodOutput:
+    """A failed scoring request's output: ``-inf``, not greedy, ``token_count=0``, and
+    ``metadata["error"] = message``."""
+    return LoglikelihoodOutput(float("-inf"), False, 0, _error_metadata(request, message))
+
+
+def rolling_error(request, message: str) -> RollingLoglikelihoodOutput:
+    """A failed rolling request's output: ``-inf``, ``token_count=0``, ``metadata["error"]``."""
+    return RollingLoglikelihoodOutput(float("-inf"), 0, _error_metadata(request, message))
+
+
+def generation_error(request, message: str) -> GenerationOutput:
+    """A failed generation's output: ``text=""``, ``finish_reason="error"``, no tokens, and
+    ``metadata["error"] = message``."""
+    prompt = getattr(request, "prompt", None) or getattr(request, "rendered_prompt", None) or ""
+    meta = {**_error_metadata(request, message), "finish_reason": "error", "prompt_tokens": 0,
+            "completion_tokens": 0, "token_ids": []}
+    return GenerationOutput(prompt=prompt, text="", metadata=meta)

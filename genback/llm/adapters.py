@@ -5,7 +5,8 @@ The runner loads and frees adapters (``add_adapter(path) -> key``: a new int key
 ``remove_adapter(key, error)``: free it and every cached state computed under it, failing its
 queries in flight with ``error``). Queries carry the key (``Query.adapter``), so the output cache
 and the runner's KV are keyed by adapter. A key that was replaced or removed is *retired*: its
-queries still pending fail with ``ValueError`` (the front asks :meth:`Adapters.error`).
+queries still pending fail with ``ValueError`` (the front, which owns this part, asks
+:meth:`Adapters.error`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ class Adapters:
 
     Args:
         runner: a runner with ``add_adapter`` / ``remove_adapter``.
-        front: the model's :class:`~genback.llm.front.Front` (its forward lock is held while an
-            adapter is loaded or freed; its output cache loses a retired adapter's rows; its
-            ``adapter_error`` becomes :meth:`error`).
+        front: the model's :class:`~genback.llm.front.Front`, which builds and owns this part
+            (its forward lock is held while an adapter is loaded or freed; its output cache
+            loses a retired adapter's rows).
     """
 
     def __init__(self, runner, front):
@@ -28,13 +29,14 @@ class Adapters:
         self.front = front
         self._keys: dict[str, int] = {}  # registered name -> the runner's adapter key
         self._retired: dict[int, str] = {}  # keys of removed / replaced adapters -> why
-        front.adapter_error = self.error
 
     def add(self, lora_path, lora_name: str) -> None:
         """Load the LoRA adapter at ``lora_path`` under ``lora_name``.
 
-        ``lora_path``: a folder saved by peft's ``save_pretrained`` (or mlx-lm's adapter
-        folder on AsyncMlxLM), or a Hub id read from the local Hugging Face cache. Queries then
+        ``lora_path``: a folder saved by peft's ``save_pretrained`` (on AsyncMlxLM: a folder as
+        ``mlx_lm.lora`` saves it, ``adapter_config.json`` with ``fine_tune_type: "lora"`` and
+        ``adapters.safetensors``: :mod:`genback.runners.mlx.lora`), or a Hub id read from the
+        local Hugging Face cache. Queries then
         pick the adapter with ``lora_name=...``; their rows are cached apart from the base
         model's and other adapters'. Registering a name again replaces that adapter: its cached
         KV and rows are dropped and its queries still pending fail with ``ValueError``.
@@ -42,7 +44,8 @@ class Adapters:
         Raises:
             TypeError: ``lora_name`` is not a str, or ``lora_path`` not a str / path.
             ValueError: empty ``lora_name``; ``lora_path`` holds no adapter, or the backend
-                cannot load it (the message says why).
+                cannot load it (the message says why: e.g. on AsyncMlxLM a peft folder, or a
+                layout other than that of the adapters already loaded).
             ImportError: the backend's adapter library is missing (``genback[lora]``).
         """
         from ..runners.hf.lora import check_adapter_path

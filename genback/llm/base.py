@@ -1,35 +1,34 @@
 """``AsyncLM``: the async next-token API shared by every backend.
 
-``AsyncLM`` composes explicit parts: ``front`` (:class:`~genback.llm.front.Front`: input checks,
-the output cache, counters, the forward lock, and the scheduler — *when*: genback's
-:class:`~genback.batcher.Batcher`, or :class:`~genback.batcher.Immediate` for engines that schedule
-themselves), ``runner`` (*what*: see :mod:`genback.runner`; its ``capabilities`` choose the
-scheduler) and ``adapters`` (:class:`~genback.llm.adapters.Adapters`, LoRA names, when the runner
-loads adapters). Every public method takes the front's one path; the backends
-(``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) only build a runner
-and add their own constructors.
+``AsyncLM`` has no base classes; it composes parts: ``front`` (:class:`~genback.llm.front.Front`:
+input checks, the output cache, counters, the forward lock, the adapters
+(:class:`~genback.llm.adapters.Adapters`) and the scheduler, *when*), ``runner`` (*what*:
+:mod:`genback.runner`; its ``capabilities`` choose the scheduler and who streams generations),
+``decoding`` (:class:`~genback.llm.decoding.Decoding`: steps, generation, sampling) and ``queue``
+(:class:`~genback.llm.queue_api.QueueAPI`: genlm-backend's queue hooks), which use the front's
+public methods only. Every public method takes the front's one path; the backends
+(``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) only construct.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
 
 import torch
 
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
 from ..heap import freeze_startup_heap
-from ..query import NextToken, Query  # noqa: F401 (Query: genback.llm's name of the base kind)
+from ..query import Query  # noqa: F401 (genback.llm's name of the base kind)
 from ..runner import Runner
-from .adapters import Adapters
+from ..sampling import Choice, Pick, SamplingParams
 from .decoding import Decoding
 from .front import Front
-from .inputs import check_lora, check_positive_int, check_token_ids
-from .queue_api import QueueHooks
+from .inputs import check_list, check_positive_int, model_eos_ids
+from .queue_api import QueueAPI
 
 
-class AsyncLM(QueueHooks, Decoding):
-    """Base class: auto-batched, cached next-token log-probs over a fixed vocabulary.
+class AsyncLM:
+    """Auto-batched, cached next-token log-probs over a fixed vocabulary (every backend's API).
 
     Args:
         tokenizer: the Hugging Face tokenizer of the model.
@@ -41,13 +40,13 @@ class AsyncLM(QueueHooks, Decoding):
             a batch with as many callers as the loop's last batches goes at once
             (:mod:`genback.batcher`).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
-        max_context_length: most tokens a context may have (None: no limit).
+        max_context_length: the window: most tokens a forward's inputs may have (None: no
+            limit; :mod:`genback.window`).
         eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
             config's); see :attr:`eos_token_ids`.
 
-    The first model built in a process freezes the Python heap that exists then (the loaded
-    libraries and weights: :func:`genback.heap.freeze_startup_heap`), so that garbage
-    collections during serving stop rescanning it; ``GENBACK_GC_FREEZE=0`` turns that off.
+    The first model built in a process freezes the Python heap that exists then
+    (:func:`genback.heap.freeze_startup_heap`; ``GENBACK_GC_FREEZE=0`` turns that off).
 
     Raises:
         ValueError: an option out of range.
@@ -69,25 +68,26 @@ class AsyncLM(QueueHooks, Decoding):
         self.vocab_size = check_positive_int(
             len(tokenizer) if vocab_size is None else vocab_size, "vocab_size"
         )
-        eos = set(check_token_ids(list(eos_token_ids), self.vocab_size, "eos_token_ids",
-                                  allow_empty=True))
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self._eos_token_ids = frozenset(eos)
+        self._eos_token_ids = model_eos_ids(tokenizer, eos_token_ids, self.vocab_size)
         self.runner = runner
         self.capabilities = runner.capabilities
         self.front = Front(runner, vocab_size=self.vocab_size,
                            max_context_length=max_context_length,
                            row_cache_size=row_cache_size, batch_size=batch_size,
                            batch_window=batch_window)
-        self.adapters = Adapters(runner, self.front) if self.capabilities.adapters else None
+        self.decoding = Decoding(self.front, self._eos_token_ids)
+        self.queue = QueueAPI(self.front)
         self._vocab = None
         freeze_startup_heap()  # the loaded libraries and model: no longer rescanned by the GC
 
     @property
+    def adapters(self):
+        """The front's :class:`~genback.llm.adapters.Adapters` (None: the runner loads none)."""
+        return self.front.adapters
+
+    @property
     def scheduler(self):
-        """The front's scheduler: a :class:`~genback.batcher.Batcher`, or an
-        :class:`~genback.batcher.Immediate` for a runner that schedules by itself."""
+        """The front's scheduler (:class:`~genback.batcher.Batcher` or ``Immediate``)."""
         return self.front.scheduler
 
     @property
@@ -113,14 +113,8 @@ class AsyncLM(QueueHooks, Decoding):
     def batch_window(self, value: float) -> None:
         self.scheduler.window = Batcher.check_window(value)
 
-    @property
-    def timeout(self) -> float:
-        """genlm-backend's name of :attr:`batch_window`."""
-        return self.batch_window
-
-    @timeout.setter
-    def timeout(self, value: float) -> None:
-        self.batch_window = value
+    timeout = property(batch_window.fget, batch_window.fset,
+                       doc="genlm-backend's name of :attr:`batch_window`.")
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -131,24 +125,15 @@ class AsyncLM(QueueHooks, Decoding):
 
     @property
     def cache_kind(self) -> str | None:
-        """What model state the backend keeps between queries, in words (``"prefix tree"`` for
-        AsyncTransformer's KV tree, ``"vLLM prefix cache"``), or None."""
+        """The model state kept between queries, in words (``"prefix tree"``), or None."""
         return self.capabilities.cache_kind
 
     @property
     def batching_kind(self) -> str:
-        """Who batches concurrent queries, in words: genback's auto-batcher (one forward for the
-        queries of a batch window), or on AsyncVirtualLM vLLM's own scheduler."""
+        """Who batches concurrent queries, in words (genback's auto-batcher, vLLM's scheduler)."""
         return self.capabilities.batching_kind
 
-    # -- vocabulary -----------------------------------------------------------------------------
-
-    def _vocabs(self):
-        if self._vocab is None:
-            from ..tokenization import decode_vocab
-
-            self._vocab = decode_vocab(self.tokenizer, vocab_size=self.vocab_size)
-        return self._vocab
+    # -- vocabulary (decoded on first use) ------------------------------------------------------
 
     @property
     def byte_vocab(self):
@@ -160,41 +145,35 @@ class AsyncLM(QueueHooks, Decoding):
         """``list[str]`` of length ``vocab_size``: token ``i`` as text (lossy for partial UTF-8)."""
         return self._vocabs()[1]
 
-    # -- adapters (the Adapters component, when the runner loads them) ------------------------------
+    def _vocabs(self):
+        if self._vocab is None:
+            from ..tokenization import decode_vocab
+
+            self._vocab = decode_vocab(self.tokenizer, vocab_size=self.vocab_size)
+        return self._vocab
+
+    # -- adapters (the front's Adapters part, when the runner loads them) --------------------------
 
     def _lora_key(self, lora_name) -> int | None:
-        """The runner's adapter key for ``lora_name`` (None: the base model).
-
-        Raises:
-            ValueError: ``lora_name`` is not a registered adapter (or this backend has none).
-        """
-        if self.adapters is None:
-            check_lora(lora_name)
-            return None
-        return self.adapters.key(lora_name)
+        """:meth:`Front.adapter_key` (for the backends' own methods)."""
+        return self.front.adapter_key(lora_name)
 
     def add_new_lora(self, lora_path, lora_name: str) -> None:
-        """Load the LoRA adapter at ``lora_path`` under ``lora_name`` (see
-        :meth:`genback.llm.adapters.Adapters.add`).
+        """Load the LoRA adapter at ``lora_path`` under ``lora_name``
+        (:meth:`.adapters.Adapters.add`, which gives the errors; ValueError also when this
+        backend serves no adapters)."""
+        self._adapters().add(lora_path, lora_name)
 
-        Raises:
-            ValueError: this backend has no adapters, or as ``Adapters.add`` documents.
-            TypeError: as ``Adapters.add`` documents.
-        """
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload adapter ``lora_name`` (:meth:`.adapters.Adapters.remove`; ValueError when no
+        adapter is registered under it)."""
+        self._adapters().remove(lora_name)
+
+    def _adapters(self):
         if self.adapters is None:
             raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
         self.front.check_open()
-        self.adapters.add(lora_path, lora_name)
-
-    def remove_lora(self, lora_name: str) -> None:
-        """Unload adapter ``lora_name`` (see :meth:`genback.llm.adapters.Adapters.remove`).
-
-        Raises:
-            ValueError: no adapter is registered under ``lora_name``.
-        """
-        if self.adapters is None:
-            raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
-        self.adapters.remove(lora_name)
+        return self.adapters
 
     @property
     def lora_names(self) -> list[str]:
@@ -204,7 +183,7 @@ class AsyncLM(QueueHooks, Decoding):
     # -- queries ----------------------------------------------------------------------------------
 
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
-        """Checked context ids (see :meth:`Front.context`)."""
+        """Checked context ids (:meth:`Front.context`, for the backends' own methods)."""
         return self.front.context(token_ids, name)[0]
 
     async def next_token_logprobs(self, token_ids, lora_name=None) -> torch.Tensor:
@@ -226,7 +205,7 @@ class AsyncLM(QueueHooks, Decoding):
             BatcherClosed: the model was closed or reset while the query waited.
         """
         front = self.front
-        query = front.next_token(token_ids, self._lora_key(lora_name))
+        query = front.next_token(token_ids, front.adapter_key(lora_name))
         row = front.lookup(query)  # (Front.ask, without a coroutine of its own per query)
         if row is not None:
             return row.clone()  # the one copy: cached rows are shared, never handed out
@@ -237,8 +216,9 @@ class AsyncLM(QueueHooks, Decoding):
 
         It computes on the calling thread (no batching) and shares the caches.
         """
-        adapter = self._lora_key(lora_name)
-        return self._rows_sync([self._check_ids(token_ids)], adapter)[0]
+        front = self.front
+        adapter = front.adapter_key(lora_name)
+        return front.rows_sync([front.context(token_ids)[0]], adapter)[0]
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1), row ``i`` that of
@@ -250,39 +230,19 @@ class AsyncLM(QueueHooks, Decoding):
                 context is bad (as :meth:`next_token_logprobs`), or ``lora_name`` is unknown.
             BatcherClosed: the model was closed or reset while the queries waited.
         """
-        contexts = self._check_list(token_ids_list, "token_ids_list")
-        self._lora_key(lora_name)
+        contexts = check_list(token_ids_list, "token_ids_list")
+        self.front.adapter_key(lora_name)
         rows = await asyncio.gather(*(self.next_token_logprobs(ids, lora_name=lora_name)
                                       for ids in contexts))
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`batch_next_token_logprobs`: one batched computation."""
-        contexts = self._check_list(token_ids_list, "token_ids_list")
-        adapter = self._lora_key(lora_name)
-        return self._rows_sync(
-            [self._check_ids(ids, f"token_ids_list[{i}]") for i, ids in enumerate(contexts)],
-            adapter,
-        )
-
-    def _rows_sync(self, contexts: list[tuple[int, ...]], adapter: int | None = None
-                   ) -> torch.Tensor:
-        """Rows for checked contexts under ``adapter``, computed on this thread in one batch:
-        ``[len(contexts), V]`` (stacked: the caller's own copy)."""
-        queries = [NextToken(t, adapter) for t in contexts]
-        distinct = list(dict.fromkeys(queries))
-        rows = dict(zip(distinct, self.front.ask_sync(distinct)))
-        return torch.stack([rows[q] for q in queries])
-
-    @staticmethod
-    def _check_list(token_ids_list, name: str) -> list:
-        if isinstance(token_ids_list, (str, bytes)) or not isinstance(token_ids_list, Sequence):
-            raise TypeError(
-                f"{name} must be a list of token-id lists, got {type(token_ids_list).__name__}"
-            )
-        if len(token_ids_list) == 0:
-            raise ValueError(f"{name} must hold at least one context, got an empty list")
-        return list(token_ids_list)
+        front = self.front
+        contexts = check_list(token_ids_list, "token_ids_list")
+        adapter = front.adapter_key(lora_name)
+        return front.rows_sync([front.context(ids, f"token_ids_list[{i}]")[0]
+                                for i, ids in enumerate(contexts)], adapter)
 
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
         """Log-prob of each continuation token given the context and the tokens before it.
@@ -295,7 +255,8 @@ class AsyncLM(QueueHooks, Decoding):
             TypeError / ValueError: bad or empty ``context_ids`` / ``continuation_ids``, or the
                 two together longer than the model's context.
         """
-        query = self.front.score(context_ids, continuation_ids, False, self._lora_key(lora_name))
+        query = self.front.score(context_ids, continuation_ids, False,
+                                 self.front.adapter_key(lora_name))
         return (await self.front.ask(query)).clone()
 
     async def score(self, context_ids, continuation_ids, lora_name=None
@@ -310,7 +271,7 @@ class AsyncLM(QueueHooks, Decoding):
         Args:
             context_ids: non-empty ids in ``[0, V)``.
             continuation_ids: non-empty ids in ``[0, V)``.
-            lora_name: must be None (no adapters).
+            lora_name: None or a registered adapter's name.
 
         Returns:
             The pair `(logprobs, is_greedy)` of CPU tensors of length `n = len(continuation_ids)`:
@@ -323,28 +284,26 @@ class AsyncLM(QueueHooks, Decoding):
                 model's context (only this caller fails).
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        query = self.front.score(context_ids, continuation_ids, True, self._lora_key(lora_name))
+        query = self.front.score(context_ids, continuation_ids, True,
+                                 self.front.adapter_key(lora_name))
         logprobs, greedy = await self.front.ask(query)
         return logprobs.clone(), greedy.clone()
 
-    # -- caches and lifecycle -------------------------------------------------------------------------
+    # -- caches and lifecycle ----------------------------------------------------------------------
 
     def cache_info(self) -> dict:
         """Counters, read without waiting for a running forward: ``queries`` (calls answered),
         ``tokens_queried`` (their context lengths), ``row_hits`` (answered from the output
         cache), ``batches``, ``batched_queries`` (distinct queries those batches computed),
-        ``rows_cached`` and ``rows_bytes`` (the output cache), plus the runner's own
-        (``forwards``, ``tokens_forwarded``, and for AsyncTransformer ``kv_bytes``,
-        ``kv_budget_bytes``, ``kv_nodes``, ``evictions``, ``kv_merges`` (nodes merged into their
-        child), ``attention``, ...)."""
-        info = self.front.info()
-        info.update(self.runner.stats())
-        return info
+        ``rows_cached`` and ``rows_bytes`` (the output cache), then the runner's ``stats()``
+        (``forwards``, ``tokens_forwarded``; AsyncTransformer's KV tree: ``kv_bytes``,
+        ``kv_nodes``, ``evictions``, ``attention``, ...; AsyncVirtualLM's:
+        :meth:`genback.runners.vllm.runner.VLLMRunner.stats`)."""
+        return self.front.info()
 
     @property
     def forwards(self) -> int:
-        """Model forwards the runner ran for batches, not counting uncached references
-        (``cache_info()["forwards"]``; on vLLM its requests)."""
+        """Forwards the runner ran (``cache_info()["forwards"]``; on vLLM its requests)."""
         return self.runner.stats()["forwards"]
 
     @property
@@ -354,43 +313,38 @@ class AsyncLM(QueueHooks, Decoding):
 
     def clear_cache(self) -> None:
         """Drop every cached row and every unpinned cached KV state (pinned prompts stay)."""
-        self.front.cache.clear()
-        with self.front.lock:
-            self.runner.clear(keep_pinned=True)
+        self.front.clear(rows=True, keep_pinned=True)
 
     def clear_kv_cache(self) -> None:
         """Drop every cached KV state, pinned ones included (rows stay)."""
-        with self.front.lock:
-            self.runner.clear(keep_pinned=False)
+        self.front.clear(rows=False, keep_pinned=False)
 
     def cache_kv(self, prompt_tokens, lora_name=None) -> None:
         """Compute ``prompt_tokens``' KV now and keep it (AsyncTransformer pins it: it is never
         evicted until ``clear_kv_cache``, so every query extending the prompt forwards only its
-        new tokens).
+        new tokens; on AsyncVirtualLM its full KV blocks enter vLLM's prefix cache, which evicts
+        them by its own LRU policy: no pinning).
 
         Raises:
             TypeError / ValueError: bad ``prompt_tokens``, an unknown ``lora_name``, or
                 (AsyncTransformer) a prompt whose KV alone exceeds the KV budget.
         """
-        adapter = self._lora_key(lora_name)
-        tokens = self._check_ids(prompt_tokens, "prompt_tokens")
-        self.front.check_open()
-        with self.front.lock:
-            error = self.front.adapter_error(adapter)
-            if error is not None:
-                raise error
-            self.runner.pin(tokens, adapter)
+        adapter = self.front.adapter_key(lora_name)
+        self.front.pin(self.front.context(prompt_tokens, "prompt_tokens")[0], adapter)
 
     def reset_async_queries(self) -> int:
         """Fail every pending query with ``BatcherClosed``; return how many callers were failed.
 
         Use it when an exception left an inference algorithm's queries pending. Batches already
-        computing finish normally. Safe from any thread.
+        computing finish normally (on AsyncVirtualLM every vLLM request in flight is aborted:
+        rows, scores and samples). Safe from any thread.
         """
         return self.scheduler.reset()
 
     async def aclose(self) -> None:
-        """Stop serving: pending queries fail, the worker finishes its batch. Idempotent."""
+        """Stop serving: pending queries fail, the worker finishes its batch, the runner is
+        closed (AsyncVirtualLM: every request aborted, the engine shut down, its processes
+        exit; works after an engine failure). Idempotent."""
         if self.scheduler.closed:
             return
         await asyncio.to_thread(self.front.close)
@@ -400,3 +354,53 @@ class AsyncLM(QueueHooks, Decoding):
         if self.scheduler.closed:
             return
         self.front.close()
+
+    # -- the parts' methods: decoding (lm.decoding), genlm-backend's queue (lm.queue) -------------
+
+    async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
+        """One decoding step: :meth:`.decoding.Decoding.choose_next`."""
+        return await self.decoding.choose_next(token_ids, pick, lora_name)
+
+    def generate_stream(self, prompt_token_ids, params: SamplingParams, max_new_tokens: int,
+                        eos_token_ids=None, *, min_new_tokens: int = 0, stop_token_ids=(),
+                        lora_name=None):
+        """Stream one generation's choices: :meth:`.decoding.Decoding.generate_stream`."""
+        return self.decoding.generate_stream(
+            prompt_token_ids, params, max_new_tokens, eos_token_ids,
+            min_new_tokens=min_new_tokens, stop_token_ids=stop_token_ids, lora_name=lora_name)
+
+    def sample_stream(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,
+                      seed=None, lora_name=None):
+        """Stream :meth:`sample`'s ids: :meth:`.decoding.Decoding.sample_stream`."""
+        return self.decoding.sample_stream(prompt_token_ids, max_tokens, eos_token_ids,
+                                           temperature, seed, lora_name)
+
+    async def sample(self, prompt_token_ids, max_tokens, eos_token_ids, temperature=1.0,
+                     seed=None, lora_name=None) -> list[int]:
+        """Ancestral sampling: :meth:`.decoding.Decoding.sample`."""
+        return await self.decoding.sample(prompt_token_ids, max_tokens, eos_token_ids,
+                                          temperature, seed, lora_name)
+
+    async def batch_sample(self, prompt_token_ids_list, max_tokens, eos_token_ids,
+                           temperature=1.0, seed=None, lora_name=None) -> list[list[int]]:
+        """:meth:`sample` for every prompt at once: :meth:`.decoding.Decoding.batch_sample`."""
+        return await self.decoding.batch_sample(prompt_token_ids_list, max_tokens,
+                                                eos_token_ids, temperature, seed, lora_name)
+
+    def add_query(self, query, future: asyncio.Future, past=None, lora_name=None) -> None:
+        """Queue a next-token query for ``future``: :meth:`.queue_api.QueueAPI.add_query`."""
+        self.queue.add_query(query, future, past, lora_name)
+
+    @property
+    def queries(self) -> list:
+        """The running loop's pending queries (:meth:`.queue_api.QueueAPI.pending`); assigning
+        ``[]`` fails them (:meth:`.queue_api.QueueAPI.set_pending`)."""
+        return self.queue.pending()
+
+    @queries.setter
+    def queries(self, value) -> None:
+        self.queue.set_pending(value)
+
+    def batch_evaluate_queries(self) -> None:
+        """Dispatch the pending batch now: :meth:`.queue_api.QueueAPI.batch_evaluate_queries`."""
+        self.queue.batch_evaluate_queries()

@@ -1,11 +1,13 @@
-"""Decoding steps and sampling on ``AsyncLM`` (a base class of it, split out for size).
+"""``Decoding``: decoding steps, generation and sampling, a part of ``AsyncLM`` (``lm.decoding``).
 
 ``choose_next`` is one decoding step (the token chosen by :mod:`genback.sampling` where the
-logits are); ``generate_stream`` streams one generation (here a ``choose_next`` loop; vLLM
-overrides it with one streamed request sampled by vLLM); ``sample`` / ``batch_sample`` are
-ancestral sampling built on it. The methods use
-``AsyncLM``'s public parts: its ``front`` (checks, output cache, the query path) and its
-runner's ``capabilities``.
+logits are); ``generate_stream`` streams one generation, deciding once per generation who makes
+it: a runner that streams by itself (``Capabilities.streams``: vLLM's engine, one request per
+generation, :mod:`genback.runners.vllm.stream`) when it takes the generation's options, else the
+next-token loop (one ``choose_next`` step per token); ``sample`` / ``batch_sample`` are ancestral
+sampling built on it. The part uses only the front's public methods
+(:class:`~genback.llm.front.Front`: checks, adapter keys, the output cache, the query path) and
+the runner's declared capabilities.
 """
 
 from __future__ import annotations
@@ -17,12 +19,21 @@ from typing import AsyncIterator
 
 from ..query import Step
 from ..sampling import Choice, Pick, SamplingParams, choose
-from .inputs import check_token_ids
+from .inputs import check_list, check_token_ids
 
 
 class Decoding:
     """``choose_next``, ``generate_stream``, ``sample``, ``sample_stream`` and ``batch_sample``
-    of :class:`~genback.llm.AsyncLM`."""
+    of :class:`~genback.llm.AsyncLM` (which hands its calls to this part).
+
+    Args:
+        front: the model's :class:`~genback.llm.front.Front`.
+        eos_token_ids: the model's end-of-sequence ids (the default enders).
+    """
+
+    def __init__(self, front, eos_token_ids: frozenset[int]):
+        self.front = front
+        self.eos_token_ids = eos_token_ids
 
     async def choose_next(self, token_ids, pick: Pick, lora_name=None) -> Choice:
         """One decoding step: choose the token after ``token_ids`` as ``pick`` says.
@@ -43,20 +54,18 @@ class Decoding:
         Raises:
             TypeError / ValueError: bad ``token_ids`` or ``pick``, or every token banned.
         """
-        adapter = self._lora_key(lora_name)
+        front = self.front
+        adapter = front.adapter_key(lora_name)
         if not isinstance(pick, Pick):
             raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
-        query = self.front.next_token(token_ids, adapter)
-        key = query.tokens
-        if self.capabilities.picks:  # a row already cached is used as it is
-            row = self.front.cache.get(query)
-            if row is None:
-                return await self.front.ask(Step(key, pick, adapter, query.tokens_hash,
-                                                 query.parent))
-            self.front.count(len(key))
-        else:
-            row = await self.front.ask(query)
-        return choose(row, key, pick)
+        query = front.next_token(token_ids, adapter)
+        row = front.lookup(query)  # a row already cached is used as it is
+        if row is None:
+            if front.capabilities.picks:
+                return await front.submit(Step(query.tokens, pick, adapter, query.tokens_hash,
+                                               query.parent))
+            row = await front.submit(query)
+        return choose(row, query.tokens, pick)
 
     async def generate_stream(
         self, prompt_token_ids, params: SamplingParams, max_new_tokens: int,
@@ -72,10 +81,12 @@ class Decoding:
         ``min_new_tokens`` tokens. Closing the iterator early (``aclose``, ``break`` out of
         ``async for`` then closing it, or cancelling the consumer) stops the generation.
 
-        Here (``AsyncTransformer``, the mock, MLX) each token is one :meth:`choose_next` step:
-        concurrent generations step together, one forward per step for all of them, the token
-        chosen by :mod:`genback.sampling` on the model's device. ``AsyncVirtualLM`` overrides
-        this with one streamed vLLM request sampled by vLLM's own sampler.
+        Who makes the tokens is decided once: a runner that streams by itself
+        (``Capabilities.streams``, ``AsyncVirtualLM``) gets the generation when its sampler takes
+        these options (:mod:`genback.runners.vllm.stream`: one vLLM request, vLLM's sampler);
+        otherwise each token is one :meth:`choose_next` step: concurrent generations step
+        together, one forward per step for all of them, the token chosen by
+        :mod:`genback.sampling` on the model's device.
 
         Args:
             prompt_token_ids: non-empty ids in ``[0, V)``.
@@ -83,19 +94,36 @@ class Decoding:
                 log-probs).
             max_new_tokens: int >= 0, most tokens yielded (ender included).
             eos_token_ids: ids in ``[0, V)`` that end the generation; None: the model's
-                :attr:`eos_token_ids`.
+                :attr:`genback.llm.AsyncLM.eos_token_ids`.
             min_new_tokens: int >= 0; enders cannot be chosen before this many tokens.
             stop_token_ids: more ids in ``[0, V)`` that end it.
             lora_name: None or a registered adapter's name.
 
         Raises:
             TypeError / ValueError: a bad argument (the message names it), an unknown
-                ``lora_name``, or every token banned at a step.
+                ``lora_name``, or every token banned at a step; on a streaming runner (vLLM)
+                also a prompt plus ``max_new_tokens`` beyond the engine's ``max_model_len``, or
+                the adapter removed meanwhile.
             BatcherClosed: the model was closed or reset meanwhile.
+            RuntimeError: (vLLM) the engine failed the request.
         """
-        prompt, enders = self._check_generation(prompt_token_ids, params, max_new_tokens,
-                                                eos_token_ids, min_new_tokens, stop_token_ids)
-        self._lora_key(lora_name)
+        front = self.front
+        prompt, enders = self.check_generation(prompt_token_ids, params, max_new_tokens,
+                                               eos_token_ids, min_new_tokens, stop_token_ids)
+        adapter = front.adapter_key(lora_name)
+        runner = front.runner
+        if front.capabilities.streams and runner.can_stream(params, min_new_tokens, enders,
+                                                            self.eos_token_ids):
+            front.check_adapter(adapter)
+            stream = runner.stream(prompt, params, max_new_tokens, min_new_tokens, enders,
+                                   adapter)
+            front.count(len(prompt))
+            try:
+                async for choice in stream:
+                    yield choice
+            finally:
+                await stream.aclose()
+            return
         banned = tuple(sorted(enders))
         generated: list[int] = []
         for step in range(max_new_tokens):
@@ -106,11 +134,11 @@ class Decoding:
                 return
             generated.append(choice.token)
 
-    def _check_generation(self, prompt_token_ids, params, max_new_tokens, eos_token_ids,
-                          min_new_tokens, stop_token_ids) -> tuple[list[int], frozenset[int]]:
-        """Checked ``(prompt ids, ender ids)`` of a :meth:`generate_stream` call (shared by
-        every backend's override); raises as it documents."""
-        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
+    def check_generation(self, prompt_token_ids, params, max_new_tokens, eos_token_ids,
+                         min_new_tokens, stop_token_ids) -> tuple[list[int], frozenset[int]]:
+        """Checked ``(prompt ids, ender ids)`` of a :meth:`generate_stream` call; raises as it
+        documents."""
+        prompt = list(self.front.context(prompt_token_ids, "prompt_token_ids")[0])
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a genback.sampling.SamplingParams, got "
                             f"{type(params).__name__}: {params!r}")
@@ -118,9 +146,10 @@ class Decoding:
                             ("min_new_tokens", min_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        vocab_size = self.front.vocab_size
         eos = (self.eos_token_ids if eos_token_ids is None else
-               check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
-        stops = check_token_ids(stop_token_ids, self.vocab_size, "stop_token_ids",
+               check_token_ids(eos_token_ids, vocab_size, "eos_token_ids", allow_empty=True))
+        stops = check_token_ids(stop_token_ids, vocab_size, "stop_token_ids",
                                 allow_empty=True)
         self.front.check_open()
         return prompt, frozenset(eos) | frozenset(stops)
@@ -136,8 +165,8 @@ class Decoding:
             TypeError / ValueError: as :meth:`sample` (raised when iteration starts).
             RuntimeError: (vLLM) the engine failed the request.
         """
-        prompt, eos = self._check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
-                                              temperature)
+        prompt, eos = self.check_sample_args(prompt_token_ids, max_tokens, eos_token_ids,
+                                             temperature)
         _check_seed(seed, "seed")
         params = SamplingParams(greedy=False, temperature=float(temperature), seed=seed)
         stream = self.generate_stream(prompt, params, max_tokens, sorted(eos),
@@ -179,10 +208,10 @@ class Decoding:
         return [t async for t in self.sample_stream(prompt_token_ids, max_tokens, eos_token_ids,
                                                     temperature, seed, lora_name)]
 
-    def _check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
-        """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call (shared by
-        every backend's ``sample``); raises as :meth:`sample` documents."""
-        prompt = list(self._check_ids(prompt_token_ids, "prompt_token_ids"))
+    def check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
+        """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call; raises as
+        :meth:`sample` documents."""
+        prompt = list(self.front.context(prompt_token_ids, "prompt_token_ids")[0])
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
@@ -190,7 +219,8 @@ class Decoding:
                             f"{type(temperature).__name__}: {temperature!r}")
         if not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-        eos = set(check_token_ids(eos_token_ids, self.vocab_size, "eos_token_ids", allow_empty=True))
+        eos = set(check_token_ids(eos_token_ids, self.front.vocab_size, "eos_token_ids",
+                                  allow_empty=True))
         return prompt, eos
 
     async def batch_sample(
@@ -208,7 +238,7 @@ class Decoding:
             TypeError / ValueError: as :meth:`sample`; also ``prompt_token_ids_list`` not a
                 non-empty list, or a ``seed`` list of the wrong length or with a non-int.
         """
-        prompts = self._check_list(prompt_token_ids_list, "prompt_token_ids_list")
+        prompts = check_list(prompt_token_ids_list, "prompt_token_ids_list")
         if seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):
             seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
         elif isinstance(seed, (list, tuple)):
@@ -224,7 +254,6 @@ class Decoding:
             self.sample(p, max_tokens, eos_token_ids, temperature, s, lora_name)
             for p, s in zip(prompts, seeds)
         )))
-
 
 
 def _check_seed(seed, name: str) -> None:

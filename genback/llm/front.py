@@ -6,6 +6,8 @@ It holds, as explicit parts:
   one is checked in work independent of its length), the model's window;
 * the output cache (:class:`~genback.output_cache.OutputCache`) of next-token rows, written in one
   place (:meth:`Front.store`) for every scheduler;
+* the adapters (:class:`~genback.llm.adapters.Adapters`, when the runner declares them): names ->
+  keys (:meth:`Front.adapter_key`) and the errors of retired keys (:meth:`Front.adapter_error`);
 * the counters (``queries``, ``tokens_queried``);
 * the forward lock, which serialises the runner's use;
 * the scheduler, built from what the runner declares (:class:`~genback.runner.Capabilities`):
@@ -21,7 +23,6 @@ runner's plan and forwards -> :meth:`Front.store` -> the caller's future.
 from __future__ import annotations
 
 import threading
-from typing import Callable
 
 import torch
 
@@ -30,7 +31,8 @@ from ..output_cache import OutputCache
 from ..query import NextToken, Query, Score
 from ..runner import Capabilities
 from ..window import check_pair
-from .inputs import ContextChecker, check_positive_int
+from .adapters import Adapters
+from .inputs import ContextChecker, check_lora, check_positive_int
 
 
 class Front:
@@ -57,8 +59,7 @@ class Front:
         self.contexts = ContextChecker(vocab_size)
         self.cache = OutputCache(row_cache_size)
         self.lock = threading.RLock()  # the forward lock: one runner call at a time
-        # None when adapter key `adapter` can still be computed, else the error for its callers
-        self.adapter_error: Callable[[int | None], Exception | None] = lambda adapter: None
+        self.adapters = Adapters(runner, self) if self.capabilities.adapters else None
         size = check_positive_int(batch_size, "batch_size")
         if self.capabilities.batching == "engine":
             self.scheduler = Immediate(self.answer_one, runner.reset, window=batch_window,
@@ -108,11 +109,30 @@ class Front:
         """
         context = self.context(context_ids, "context_ids")[0]
         continuation = self.contexts(continuation_ids, "continuation_ids")
-        window = self.max_context_length
-        if window:
-            window -= self.capabilities.score_extra_positions
-        check_pair(len(context), len(continuation), window)  # (the engine's rule too)
+        check_pair(len(context), len(continuation), self.max_context_length)  # (the session's too)
         return Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
+
+    def adapter_key(self, lora_name) -> int | None:
+        """The runner's adapter key for ``lora_name`` (None: the base model).
+
+        Raises:
+            ValueError: ``lora_name`` is not a registered adapter (or this backend has none).
+        """
+        if self.adapters is None:
+            check_lora(lora_name)
+            return None
+        return self.adapters.key(lora_name)
+
+    def adapter_error(self, adapter: int | None) -> Exception | None:
+        """None when adapter key ``adapter`` can still be computed, else the error for its
+        callers (the adapter was removed or replaced: :meth:`.adapters.Adapters.error`)."""
+        return None if self.adapters is None else self.adapters.error(adapter)
+
+    def check_adapter(self, adapter: int | None) -> None:
+        """Raise :meth:`adapter_error`'s error, if any."""
+        error = self.adapter_error(adapter)
+        if error is not None:
+            raise error
 
     def check_open(self) -> None:
         """Raises ``BatcherClosed`` once the model is closed."""
@@ -154,9 +174,8 @@ class Front:
         return self._submit(query, query)
 
     def enqueue(self, query: Query):
-        """:meth:`ask` as a future on the running loop (genlm-backend's ``add_query``)."""
-        self.check_open()
-        self.count(len(query.tokens))
+        """:meth:`submit` as a future on the running loop (genlm-backend's ``add_query``), for a
+        counted ``query`` that :meth:`lookup` did not find."""
         return self.scheduler.enqueue(query, query)
 
     def ask_sync(self, queries: list[Query]) -> list:
@@ -174,10 +193,44 @@ class Front:
                 raise value
         return results
 
+    def rows_sync(self, contexts: list[tuple[int, ...]], adapter: int | None = None):
+        """Rows for checked contexts under ``adapter``, computed on this thread in one batch:
+        float32 ``[len(contexts), V]`` (stacked: the caller's own copy).
+
+        Raises:
+            Exception: as :meth:`ask_sync`.
+        """
+        queries = [NextToken(t, adapter) for t in contexts]
+        distinct = list(dict.fromkeys(queries))
+        rows = dict(zip(distinct, self.ask_sync(distinct)))
+        return torch.stack([rows[q] for q in queries])
+
+    def pin(self, tokens: tuple[int, ...], adapter: int | None) -> None:
+        """Compute and keep the KV of checked ``tokens`` under ``adapter`` (``runner.pin``).
+
+        Raises:
+            BatcherClosed: the model is closed. ValueError: the adapter was removed, or as
+                the runner's ``pin``.
+        """
+        self.check_open()
+        with self.lock:
+            self.check_adapter(adapter)
+            self.runner.pin(tokens, adapter)
+
+    def clear(self, rows: bool, keep_pinned: bool) -> None:
+        """Drop the cached rows (when ``rows``) and the runner's KV (pinned prompts kept when
+        ``keep_pinned``)."""
+        if rows:
+            self.cache.clear()
+        with self.lock:
+            self.runner.clear(keep_pinned=keep_pinned)
+
     def store(self, query: Query, value) -> None:
         """Keep a computed next-token row (with :meth:`store_many`, the only place the output
-        cache is written). The query's lineage hint (``parent``) is dropped first: it served the
-        runner's match, and a cached key would otherwise keep its parent context alive too."""
+        cache is written). The key is the query without its lineage hint
+        (:meth:`genback.query.NextToken.without_parent`): the hint served the runner's match, and
+        a cached key would otherwise keep its parent context alive too (queries are immutable,
+        so the hint is left out of a copy rather than cleared)."""
         self.store_many((query,), (value,))
 
     def store_many(self, queries, values) -> None:
@@ -185,8 +238,7 @@ class Front:
         rows = []
         for query, value in zip(queries, values):
             if type(query) is NextToken and not isinstance(value, BaseException):
-                query.parent = None
-                rows.append((query, value))
+                rows.append((query.without_parent(), value))
         if rows:
             self.cache.put_many(rows)
 
@@ -229,9 +281,7 @@ class Front:
             ValueError: its adapter was removed or replaced (before or while it ran).
             Exception: the runner's error for this query.
         """
-        error = self.adapter_error(query.adapter)
-        if error is not None:
-            raise error
+        self.check_adapter(query.adapter)
         value = await self.runner.answer_shared(query)
         if self.adapter_error(query.adapter) is None:
             self.store(query, value)
@@ -246,7 +296,7 @@ class Front:
         return row.clone()
 
     def info(self) -> dict:
-        """The front's counters for ``cache_info()``."""
+        """``cache_info()``: the front's counters, then the runner's ``stats()``."""
         return {
             "queries": self.queries,
             "tokens_queried": self.tokens_queried,
@@ -255,6 +305,7 @@ class Front:
             "batched_queries": self.scheduler.queries,
             "rows_cached": len(self.cache),
             "rows_bytes": self.cache.bytes_held,
+            **self.runner.stats(),
         }
 
     def close(self) -> None:

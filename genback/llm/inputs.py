@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -158,6 +159,35 @@ def check_positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
+
+
+def check_list(token_ids_list, name: str) -> list:
+    """``token_ids_list`` as a non-empty list of contexts (each checked later, by the caller).
+
+    Raises:
+        TypeError: not a sequence (a str or bytes included); the message names ``name``.
+        ValueError: an empty one.
+    """
+    if isinstance(token_ids_list, (str, bytes)) or not isinstance(token_ids_list, Sequence):
+        raise TypeError(
+            f"{name} must be a list of token-id lists, got {type(token_ids_list).__name__}"
+        )
+    if len(token_ids_list) == 0:
+        raise ValueError(f"{name} must hold at least one context, got an empty list")
+    return list(token_ids_list)
+
+
+def model_eos_ids(tokenizer, eos_token_ids, vocab_size: int) -> frozenset[int]:
+    """``eos_token_ids`` (checked ids in ``[0, vocab_size)``) and the tokenizer's EOS, if any.
+
+    Raises:
+        TypeError / ValueError: a bad id (the message names ``eos_token_ids``).
+    """
+    eos = set(check_token_ids(list(eos_token_ids), vocab_size, "eos_token_ids",
+                              allow_empty=True))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return frozenset(eos)
 
 
 def check_lora(lora_name) -> None:

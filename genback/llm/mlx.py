@@ -59,7 +59,7 @@ class AsyncMlxLM(AsyncLM):
     ``byte_vocab``), whatever the model's dtype.
 
     LoRA: ``add_new_lora(path, name)`` loads an mlx-lm adapter folder (``adapter_config.json`` +
-    ``adapters.safetensors``, as ``mlx_lm.lora`` saves it; see :mod:`genback.runners.mlx_lora`),
+    ``adapters.safetensors``, as ``mlx_lm.lora`` saves it; see :mod:`genback.runners.mlx.lora`),
     ``remove_lora(name)`` drops it, and every query method takes ``lora_name=``. KV and rows are
     kept per adapter. All adapters of one model must wrap the same modules (``num_layers`` and
     ``keys``; rank and scale may differ); the base model's rows are unchanged by their presence.
@@ -178,23 +178,3 @@ class AsyncMlxLM(AsyncLM):
         self.front.check_open()
         with self.front.lock:
             return self.runner.uncached_row(ids, adapter)
-
-    # -- LoRA adapters (the Adapters component; mlx-lm's adapter folders) --------------------------
-
-    def add_new_lora(self, lora_path, lora_name: str) -> None:
-        """Load the mlx-lm LoRA adapter in folder ``lora_path`` under ``lora_name``.
-
-        ``lora_path``: a folder as ``mlx_lm.lora`` saves it (``adapter_config.json`` with
-        ``fine_tune_type: "lora"``, ``num_layers``, ``lora_parameters``; ``adapters.safetensors``),
-        or a Hub id of one in the local Hugging Face cache. Queries pick it with
-        ``lora_name=...``; their KV and rows are kept apart from the base model's and other
-        adapters'. Registering a name again replaces that adapter (its KV and rows are dropped,
-        its pending queries fail with ``ValueError``).
-
-        Raises:
-            TypeError: ``lora_name`` not a str, or ``lora_path`` not a str / path.
-            ValueError: empty ``lora_name``; no adapter at ``lora_path``; not an mlx-lm LoRA
-                adapter (e.g. a peft folder: no ``adapters.safetensors``); a layout (``num_layers``,
-                ``keys``) other than that of the adapters already loaded on this model.
-        """
-        super().add_new_lora(lora_path, lora_name)

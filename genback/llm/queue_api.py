@@ -1,5 +1,5 @@
-"""genlm-backend 0.3.1's queue hooks on ``AsyncLM``: ``add_query``, ``queries``,
-``batch_evaluate_queries``.
+"""``QueueAPI``: genlm-backend 0.3.1's queue hooks, a part of ``AsyncLM`` (``lm.queue``):
+``add_query``, ``queries``, ``batch_evaluate_queries``.
 
 genlm-backend exposes its batching queue; clients and its tests drive it by hand. genback's queue
 is the front's scheduler (:class:`~genback.batcher.Batcher`), so these hooks are thin views of it: a query
@@ -12,8 +12,15 @@ from __future__ import annotations
 import asyncio
 
 
-class QueueHooks:
-    """Mixed into :class:`~genback.llm.AsyncLM`."""
+class QueueAPI:
+    """The queue hooks of :class:`~genback.llm.AsyncLM` over its front's public methods.
+
+    Args:
+        front: the model's :class:`~genback.llm.front.Front`.
+    """
+
+    def __init__(self, front):
+        self.front = front
 
     def add_query(self, query, future: asyncio.Future, past=None, lora_name=None) -> None:
         """Queue the next-token query ``query`` (token ids) and resolve ``future`` with its row
@@ -25,17 +32,16 @@ class QueueHooks:
             TypeError / ValueError: bad ``query`` or ``lora_name`` (``future`` is left alone).
             RuntimeError: no running event loop on this thread.
         """
-        adapter = self._lora_key(lora_name)
-        q = self.front.next_token(query, adapter, "query")
-        self.front.check_open()
+        front = self.front
+        q = front.next_token(query, front.adapter_key(lora_name), "query")
+        front.check_open()
         asyncio.get_running_loop()  # RuntimeError outside a running loop
-        row = self.front.cache.get(q)
+        row = front.lookup(q)
         if row is not None:
-            self.front.count(len(q.tokens))
             if not future.done():
                 future.set_result(row.clone())
             return
-        inner = self.front.enqueue(q)
+        inner = front.enqueue(q)
 
         def relay(done: asyncio.Future) -> None:
             if future.done():
@@ -49,23 +55,26 @@ class QueueHooks:
 
         inner.add_done_callback(relay)
 
-    @property
-    def queries(self) -> list:
+    def pending(self) -> list:
         """The queries (:class:`~genback.query.Query`) waiting in the running loop's pending
-        batch; ``[]`` outside a running loop. Assigning ``[]`` fails them (as
-        :meth:`reset_async_queries`); other values are a ``ValueError``."""
+        batch; ``[]`` outside a running loop."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return []
         return self.front.scheduler.pending(loop)
 
-    @queries.setter
-    def queries(self, value) -> None:
+    def set_pending(self, value) -> None:
+        """Assigning ``[]`` to ``lm.queries``: fail every pending query (as
+        ``reset_async_queries``).
+
+        Raises:
+            ValueError: any other value.
+        """
         if not isinstance(value, (list, tuple)) or len(value) != 0:
             raise ValueError(f"queries can only be set to [] (failing pending queries), got "
                              f"{value!r}")
-        self.reset_async_queries()
+        self.front.scheduler.reset()
 
     def batch_evaluate_queries(self) -> None:
         """Dispatch the running loop's pending batch now rather than at the end of its window;

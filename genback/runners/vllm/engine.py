@@ -125,6 +125,11 @@ class EngineLoop:
                 self.cancelled += 1
                 entry.task.cancel()  # nobody waits for it: abort the request
 
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight now (shared ones counted once)."""
+        return len(self._inflight)
+
     def _forget(self, key: Hashable, task: asyncio.Task) -> None:
         entry = self._inflight.get(key)
         if entry is not None and entry.task is task:

@@ -12,10 +12,16 @@ cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answe
   it (an engine without the tap, a worker on another machine): ``logprobs=-1,
   flat_logprobs=True`` on an engine with ``max_logprobs=-1, logprobs_mode="raw_logprobs"``, the
   same log-softmax as flat lists scattered into a row;
-* continuation log-probs (and, for scoring queries, greedy flags): one request with
-  ``prompt_logprobs=0`` over ``context + continuation``; vLLM reports each prompt token's
-  log-prob and rank (rank 1 is the argmax);
+* continuation log-probs (and, for scoring queries, greedy flags): one request over exactly the
+  score's inputs ``context + continuation[:-1]``: vLLM's prompt log-probs (``prompt_logprobs=0``:
+  each prompt token's log-prob and rank, rank 1 the argmax) give the targets inside the prompt,
+  and the row after the prompt (as for a next-token row) the last target. A score thus takes the
+  positions of its inputs and one generated token, like a row, so one window
+  (``max_model_len - 1`` inputs, vLLM's longest prompt) holds for every kind;
 * KV only (``targets == ()``): one greedy step, so the prompt's blocks enter the prefix cache.
+
+Generations are the runner's too (``Capabilities.streams``): :meth:`VLLMRunner.stream` sends one
+request per generation, sampled by vLLM's sampler (:mod:`.stream`).
 
 A query under a LoRA adapter (``Query.adapter``, a key from :meth:`VLLMRunner.add_adapter`)
 sends its request with that adapter's ``LoRARequest``; vLLM keys its prefix cache by the
@@ -31,8 +37,10 @@ import torch
 
 from ...query import NextToken, Prefill, Query, Score
 from ...runner import Capabilities
+from ...sampling import SamplingParams
 from .engine import EngineLoop
-from .tap import TAP_KEY, RowSlots
+from .stream import stream_request, vllm_can_sample, vllm_sampling_params
+from .tap import TAP_FQCN, TAP_KEY, RowSlots
 
 
 class VLLMRunner:
@@ -46,8 +54,7 @@ class VLLMRunner:
 
     # vLLM's scheduler batches: AsyncLM sends each query at once (batcher.Immediate)
     capabilities = Capabilities(
-        cache_kind="vLLM prefix cache", batching="engine", adapters=True,
-        score_extra_positions=1,  # a score is a prompt-logprobs request that generates one token
+        cache_kind="vLLM prefix cache", batching="engine", adapters=True, streams=True,
         batching_kind="continuous (vLLM scheduler, one request per query)")
 
     def __init__(self, engine: EngineLoop, width: int, use_tap: bool):
@@ -55,17 +62,14 @@ class VLLMRunner:
 
         self.engine = engine
         self.width = width
+        self.max_model_len = engine.engine.model_config.max_model_len
         self.slots = RowSlots(width) if use_tap else None
         self.use_tap = use_tap
         self.tap_fallbacks = 0  # rows the tap could not serve (answered by the fallback)
         self.tokens_forwarded = 0  # prompt tokens not served from vLLM's prefix cache
         self._warnings: list[str] = []  # raised on the callers' threads (flush_warnings)
         self._SamplingParams = SamplingParams
-        self._row_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1,
-                                          flat_logprobs=True, detokenize=False)
         self._kv_params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        self._prompt_params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
-                                             flat_logprobs=True, detokenize=False)
         self.loras: dict[int, object] = {}  # adapter key -> vllm LoRARequest
         self._next_lora = 1  # vLLM's lora_int_id must be >= 1
 
@@ -122,6 +126,53 @@ class VLLMRunner:
             raise ValueError(f"LoRA adapter key {adapter} was removed (remove_lora)")
         return request
 
+    # -- rows ------------------------------------------------------------------------------------
+
+    @property
+    def row_source(self) -> str:
+        """How next-token rows leave the engine: ``"tap"`` (genback's logits processor, the
+        default when the engine has it) or ``"logprobs"`` (vLLM's ``logprobs=-1`` output).
+        Settable; ``"tap"`` raises ``ValueError`` on an engine built without ``RowTap``."""
+        return "tap" if self.use_tap else "logprobs"
+
+    @row_source.setter
+    def row_source(self, value: str) -> None:
+        if value not in ("tap", "logprobs"):
+            raise ValueError(f"row_source must be 'tap' or 'logprobs', got {value!r}")
+        if value == "tap" and self.slots is None:
+            raise ValueError("row_source='tap' needs an engine built with "
+                             f"logits_processors=[{TAP_FQCN!r}] (from_name does that)")
+        self.use_tap = value == "tap"
+
+    # -- generations (streams=True) ------------------------------------------------------------
+
+    def can_stream(self, params: SamplingParams, min_new_tokens: int, enders: frozenset[int],
+                   eos_token_ids: frozenset[int]) -> bool:
+        """Whether vLLM's sampler takes this generation (:func:`.stream.vllm_can_sample`);
+        otherwise the facade runs its next-token loop."""
+        return vllm_can_sample(params, min_new_tokens, enders, eos_token_ids)
+
+    def stream(self, prompt: list[int], params: SamplingParams, max_new_tokens: int,
+               min_new_tokens: int, enders: frozenset[int], adapter: int | None):
+        """Async iterator of the :class:`~genback.sampling.Choice` of each new token, as vLLM
+        makes them: one request (:func:`.stream.stream_request`), closed -> aborted.
+
+        Raises:
+            ValueError: the prompt plus ``max_new_tokens`` exceed ``max_model_len``, or the
+                adapter was removed.
+        """
+        if len(prompt) + max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids ({len(prompt)} tokens) plus {max_new_tokens} new tokens "
+                f"(max_new_tokens; sample's max_tokens) exceed the engine's "
+                f"max_model_len={self.max_model_len}")
+        lora = self.lora_request(adapter)
+        if max_new_tokens == 0:
+            return _nothing()
+        vparams = vllm_sampling_params(params, max_new_tokens, min_new_tokens, enders)
+        return stream_request(self.engine, prompt, vparams, lora, adapter,
+                              params.top_logprobs, enders)
+
     # -- on the engine loop --------------------------------------------------------------------
 
     async def answer(self, q: Query):
@@ -129,16 +180,12 @@ class VLLMRunner:
         lora = self.lora_request(q.adapter)
         match q:
             case NextToken():
-                return await self._row(q.tokens, lora)
+                return (await self._row(q.tokens, lora))[0]
             case Prefill():
                 await self._generate(q.tokens, self._kv_params, lora)
                 return None
             case Score():
-                prompt = q.tokens + q.targets[-1:]
-                out = await self._generate(prompt, self._prompt_params, lora)
-                logprobs, ranks = prompt_token_logprobs(out.prompt_logprobs, prompt,
-                                                        len(q.targets))
-                return (logprobs, ranks == 1) if q.greedy else logprobs
+                return await self._score(q, lora)
         raise ValueError(f"the vLLM runner answers rows and scores, not {type(q).__name__} "
                          "(picks=False)")
 
@@ -147,27 +194,47 @@ class VLLMRunner:
         self.tokens_forwarded += len(prompt) - (out.num_cached_tokens or 0)
         return out
 
-    async def _row(self, tokens: tuple[int, ...], lora=None) -> torch.Tensor:
+    async def _score(self, q: Score, lora):
+        """A score from one request over ``q.tokens`` (module docstring): the first ``n - 1``
+        targets from vLLM's prompt log-probs, the last from the row after the prompt; greedy
+        as vLLM ranks (no other token's log-prob at least the target's)."""
+        head = len(q.targets) - 1  # targets inside the prompt: q.tokens[-head:]
+        row, out = await self._row(q.tokens, lora, prompt_logprobs=head > 0)
+        last = row[q.targets[-1]]
+        logprobs = last.view(1)
+        greedy = (row >= last).sum().view(1) == 1
+        if head:
+            lps, ranks = prompt_token_logprobs(out.prompt_logprobs, q.tokens, head)
+            logprobs = torch.cat([lps, logprobs])
+            greedy = torch.cat([ranks == 1, greedy])
+        return (logprobs, greedy) if q.greedy else logprobs
+
+    async def _row(self, tokens: tuple[int, ...], lora=None, prompt_logprobs: bool = False):
+        """``(row, output)``: the next-token row after ``tokens`` (float32 ``[V]``) and the
+        request's last ``RequestOutput`` (with ``prompt_logprobs=0`` when asked)."""
+        prompt = {"prompt_logprobs": 0, "flat_logprobs": True} if prompt_logprobs else {}
         if self.use_tap and self.slots is not None:
             seg, slot = self.slots.acquire()
             try:
                 params = self._SamplingParams(
                     max_tokens=1, temperature=0.0, detokenize=False,
-                    extra_args={TAP_KEY: self.slots.spec(seg, slot)})
-                await self._generate(tokens, params, lora)
+                    extra_args={TAP_KEY: self.slots.spec(seg, slot)}, **prompt)
+                out = await self._generate(tokens, params, lora)
                 row = self.slots.read(seg, slot)
             finally:
                 self.slots.release(seg, slot)
             if row is not None:
-                return row
+                return row, out
             if self.use_tap:  # first miss: say so once, then skip the tap
                 self.use_tap = False
                 self._warnings.append(
                     "a vLLM row did not come through genback's shared-memory tap; it and all "
                     "later rows use vLLM's logprobs=-1 output (row_source='logprobs')")
             self.tap_fallbacks += 1
-        out = await self._generate(tokens, self._row_params, lora)
-        return flat_row(out.outputs[0].logprobs, self.width)
+        params = self._SamplingParams(max_tokens=1, temperature=0.0, logprobs=-1,
+                                      flat_logprobs=True, detokenize=False, **prompt)
+        out = await self._generate(tokens, params, lora)
+        return flat_row(out.outputs[0].logprobs, self.width), out
 
     async def answer_shared(self, q: Query):
         """The result of ``q`` from any event loop: run on the engine loop, sharing one request
@@ -213,9 +280,14 @@ class VLLMRunner:
             warnings.warn(self._warnings.pop(), RuntimeWarning, stacklevel=4)
 
     def stats(self) -> dict:
+        """``requests`` (vLLM requests sent; also reported as ``forwards``: vLLM schedules
+        each), ``aborted`` (requests aborted: every caller cancelled, ``reset_async_queries``,
+        ``aclose``), ``in_flight``, ``tokens_forwarded`` (prompt tokens not served by vLLM's
+        prefix cache), ``tap_fallbacks`` (rows the tap could not serve) and ``row_slots``
+        (shared-memory rows allocated)."""
         engine = self.engine
         return {"forwards": engine.requests, "requests": engine.requests,
-                "aborted": engine.cancelled, "in_flight": len(engine._inflight),
+                "aborted": engine.cancelled, "in_flight": engine.in_flight,
                 "tokens_forwarded": self.tokens_forwarded, "tap_fallbacks": self.tap_fallbacks,
                 "row_slots": 0 if self.slots is None else
                 self.slots.segments * self.slots.segment_rows}
@@ -234,6 +306,11 @@ class VLLMRunner:
         self.engine.close()
         if self.slots is not None:
             self.slots.close()
+
+
+async def _nothing():
+    return
+    yield  # an empty async iterator (max_new_tokens=0)
 
 
 def flat_row(flat, width: int) -> torch.Tensor:

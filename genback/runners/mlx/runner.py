@@ -1,7 +1,7 @@
 """``MlxRunner``: the runner of ``AsyncMlxLM`` (an mlx-lm model with a prefix KV store).
 
 KV reuse. Every evaluated context leaves its per-layer keys and values (``[1, kv_heads, n,
-head_dim]`` mx arrays) in a store (:mod:`genback.runners.mlx_kv`) keyed by its adapter and token
+head_dim]`` mx arrays) in a store (:mod:`genback.runners.mlx.kv`) keyed by its adapter and token
 ids. A query reuses the entry that shares the longest common prefix with it — not only entries
 that are prefixes of it: mlx-lm's ``KVCache`` is trimmable, so the first ``p`` positions of any entry are the KV of its first ``p`` tokens. An entry
 that is a strict prefix of a newer one is therefore redundant and is dropped (a particle extended
@@ -16,7 +16,7 @@ are forwarded once first. Models whose caches are not plain ``KVCache`` (sliding
 space layers) are computed without reuse.
 
 LoRA: queries under different adapters are forwarded apart, each after activating its adapter
-(:mod:`genback.runners.mlx_lora`); the base model's forwards run the original modules only.
+(:mod:`genback.runners.mlx.lora`); the base model's forwards run the original modules only.
 
 All MLX work runs on one dedicated thread (MLX streams are per thread on some devices).
 """
@@ -29,9 +29,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..query import Prefill, Query, Score
-from ..runner import Capabilities
-from .mlx_kv import PrefixKV, _lcp
+from ...query import NextToken, Prefill, Query, Score
+from ...runner import Capabilities
+from .kv import PrefixKV, _lcp
 
 
 def _log_softmax(logits) -> torch.Tensor:
@@ -48,6 +48,20 @@ def _cache_arrays(cache: list) -> list:
     from mlx.utils import tree_flatten
 
     return [x for c in cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
+
+
+def _kind(q: Query):
+    """The kind of ``q`` (its query class, :mod:`genback.query`), or the error that fails it
+    alone: this runner answers rows, scores and prefills (``picks=False``: no ``Step``)."""
+    match q:
+        case NextToken():
+            return NextToken
+        case Score():
+            return Score
+        case Prefill():
+            return Prefill
+    return ValueError(f"the MLX runner answers rows, scores and prefills, not "
+                      f"{type(q).__name__} (picks=False)")
 
 
 class MlxRunner:
@@ -147,11 +161,11 @@ class MlxRunner:
 
     def add_adapter(self, path: str) -> int:
         """Load the mlx-lm LoRA adapter in folder ``path``; return its key (see
-        :mod:`genback.runners.mlx_lora`). Raises ValueError for an adapter that does not fit."""
+        :mod:`genback.runners.mlx.lora`). Raises ValueError for an adapter that does not fit."""
         return self._on_thread(self._add_adapter, path)
 
     def _add_adapter(self, path: str) -> int:
-        from .mlx_lora import MlxAdapters
+        from .lora import MlxAdapters
 
         if self.adapters is None:
             self.adapters = MlxAdapters(self.model)
@@ -258,26 +272,31 @@ class MlxRunner:
         return [by_len[n] for n in sorted(by_len)]
 
     def _run(self, queries: list[Query]) -> list:
-        """Match every query against the store, group, forward, store; results in order."""
+        """Match every query against the store, group, forward, store; results in order. Each
+        query's kind is decided here, once (:func:`_kind`); a group holds one kind."""
         results: list = [None] * len(queries)
         groups: dict[tuple, list] = {}
         for i, q in enumerate(queries):
+            kind = _kind(q)
+            if isinstance(kind, Exception):
+                results[i] = kind
+                continue
             limit = len(q.tokens) - q.n_outputs
             entry, p = (self.store.match(np.asarray(q.tokens, dtype=np.int64), limit, q.adapter)
                         if self.reuse else (None, 0))
-            if q.n_outputs == 0 and p == len(q.tokens):
+            if kind is Prefill and p == len(q.tokens):
                 self.store.touch(entry)
                 continue  # KV-only query already cached
-            key = (q.adapter or 0, p, len(q.tokens), q.n_outputs, type(q).__name__)
+            key = (q.adapter or 0, p, len(q.tokens), q.n_outputs, kind)
             groups.setdefault(key, []).append((i, q, entry))
-        for (_, p, length, n_out, _), members in sorted(groups.items(),
-                                                         key=lambda kv: kv[0][:4:2]):
+        for (_, p, length, _, kind), members in sorted(groups.items(),
+                                                       key=lambda kv: kv[0][:4:2]):
             self._activate(members[0][1].adapter)
             rows_per_forward = max(1, self.max_batch_tokens // max(1, min(
                 length - p, self.prefill_step_size)))
             for start in range(0, len(members), rows_per_forward):
                 chunk = members[start:start + rows_per_forward]
-                outs = self._forward([q for _, q, _ in chunk], [e for _, _, e in chunk], p)
+                outs = self._forward(kind, [q for _, q, _ in chunk], [e for _, _, e in chunk], p)
                 for (i, _, _), out in zip(chunk, outs):
                     results[i] = out
         return results
@@ -300,8 +319,9 @@ class MlxRunner:
     def _nbytes(layers: list) -> int:
         return sum(k.nbytes + v.nbytes for k, v in layers)
 
-    def _forward(self, queries: list[Query], entries: list, p: int) -> list:
-        """One group: every query has ``p`` cached tokens, the same length and output count.
+    def _forward(self, kind: type, queries: list[Query], entries: list, p: int) -> list:
+        """One group: every query is of ``kind`` and has ``p`` cached tokens, the same length
+        and output count.
 
         Cached KV is stacked to ``[B, kv_heads, p, head_dim]`` per layer; the new tokens
         ``[B, length - p]`` are forwarded in chunks; logits are computed only for the chunk(s)
@@ -346,7 +366,7 @@ class MlxRunner:
                 offset = max(lo, first_out) - lo
             if hi > first_out:
                 wanted = logits[:, offset:, :].astype(mx.float32)
-                if not isinstance(queries[0], Score):  # a next-token row: the last position
+                if kind is NextToken:  # a next-token row: the last position
                     wanted = wanted[:, -1:, :]
                 mx.eval(wanted, *_cache_arrays(cache))
                 pieces.append(_log_softmax(wanted))  # [B, hi - max(lo, first_out), V]
@@ -358,10 +378,10 @@ class MlxRunner:
                 layers = [(c.keys[b:b + 1, :, :length, :], c.values[b:b + 1, :, :length, :])
                           for c in cache]
                 self.store.put(q.tokens, layers, self._nbytes(layers), q.adapter)
-        if n_out == 0:
+        if kind is Prefill:
             return [None] * len(queries)
         logp = torch.cat(pieces, dim=1)  # [B, n_out (rows: 1), V]
-        if not isinstance(queries[0], Score):
+        if kind is NextToken:
             return [logp[b, -1].clone() for b in range(len(queries))]
         targets = torch.tensor([q.targets for q in queries], dtype=torch.long)  # [B, n_out]
         values = logp.gather(-1, targets[..., None])[..., 0]  # [B, n_out]

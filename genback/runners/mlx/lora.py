@@ -5,11 +5,11 @@ An adapter is a folder as mlx-lm's trainer saves it: ``adapter_config.json``
 and ``adapters.safetensors`` (``<module path>.lora_a`` ``[in, r]`` and ``.lora_b`` ``[r, out]``).
 
 The first adapter fixes the model's *layout*: mlx-lm's own ``linear_to_lora_layers`` picks the
-linear modules its config names, and each becomes a :class:`SwitchLoRA` that computes
-``linear(x) + scale * (x @ a) @ b`` with the active adapter's ``(a, b, scale)``, or exactly
-``linear(x)`` when none is active (the base model is bit-for-bit unchanged). Later adapters must
-have the same layout (``num_layers``, ``keys``); their rank and scale may differ. Dropout is a
-training-time setting and is not applied (inference).
+linear modules its config names, and each becomes a ``SwitchLoRA`` (:func:`_switch_class`)
+that computes ``linear(x) + scale * (x @ a) @ b`` with the active adapter's ``(a, b, scale)``,
+or exactly ``linear(x)`` when none is active (the base model is bit-for-bit unchanged). Later
+adapters must have the same layout (``num_layers``, ``keys``); their rank and scale may differ.
+Dropout is a training-time setting and is not applied (inference).
 """
 
 from __future__ import annotations
