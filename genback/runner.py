@@ -16,6 +16,7 @@ What ``AsyncLM`` (its front and parts) calls on a runner, by what the runner dec
 | ``batching="engine"`` | ``async answer_shared(query)``, ``reset(message)``, ``requests()`` | :class:`EngineRunner` |
 | ``adapters`` | ``add_adapter(path)``, ``remove_adapter(key, error)`` | :class:`AdapterRunner` |
 | ``streams`` | ``can_stream(...)``, ``stream(...)`` | :class:`StreamingRunner` |
+| ``cache_kind="prefix tree"`` | ``walk(tokens, adapter)``, ``uncached_row(tokens, adapter)`` | :class:`TreeRunner` |
 
 Nothing else of a runner is read by the front, the parts or the facade. Every method except
 ``stats``, the engine runner's and the streaming runner's is called with the front's forward
@@ -129,3 +130,16 @@ class StreamingRunner(Runner, Protocol):
         """The choices of one generation up to ``max_new_tokens`` or the first ender (yielded
         last); closing the iterator stops it. Raises ``ValueError`` for a request it cannot
         take."""
+
+
+@runtime_checkable
+class TreeRunner(Runner, Protocol):
+    """A runner over a KV prefix tree (``cache_kind="prefix tree"``: AsyncTransformer's), for
+    genlm-backend's ``walk_cache`` and the uncached reference row."""
+
+    def walk(self, tokens: tuple[int, ...], adapter: int | None = None) -> tuple:
+        """``(node, n, past)``: how many leading ``tokens`` have cached KV, the deepest node on
+        that path and their KV (see :meth:`genback.runners.hf.runner.HFRunner.walk`)."""
+
+    def uncached_row(self, tokens: tuple[int, ...], adapter: int | None = None):
+        """One full forward of ``tokens`` alone, no cache: float32 ``[V]`` log-probs."""

@@ -11,7 +11,6 @@ LoRA adapters (peft) are registered by name (``add_new_lora``) and chosen per qu
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..runners.hf import HFRunner
@@ -147,9 +146,10 @@ class AsyncTransformer(AsyncLM):
 
         Returns:
             The tuple `(node, next_token_index, past, base)`: `node` is the deepest KV-tree node
-                on the cached path (:class:`CachedNode`: `node.past_key_values` is its edge's
-                KV `[layers, 2, kv_heads, len(edge), head_dim]`, None for a root, as in
-                genlm-backend; `node.slots` its slots in the KV pool), `next_token_index` the number of leading tokens whose
+                on the cached path (:class:`~genback.runners.hf.runner.CachedNode`:
+                `node.past_key_values` is its edge's KV `[layers, 2, kv_heads, len(edge),
+                head_dim]`, None for a root, as in genlm-backend; `node.slots` its slots in the
+                KV pool), `next_token_index` the number of leading tokens whose
                 KV is cached, `past` their KV as one new tensor `[layers, 2, kv_heads,
                 next_token_index, head_dim]` on the model's device (None when nothing is
                 cached), and `base` equal to `next_token_index` (genback keeps the KV of every
@@ -162,15 +162,11 @@ class AsyncTransformer(AsyncLM):
         adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
         with self.front.lock:
-            segments, n, node = self.runner.tree.match(ids, touch=False, adapter=adapter)
-            pool = self.runner.pool
-            past = (pool.read(np.concatenate([s for _, _, s in segments])).clone()
-                    if segments else None)
-        return CachedNode(node, pool), n, past, n
+            node, n, past = self.runner.walk(ids, adapter)
+        return node, n, past, n
 
     # -- statistics and reference --------------------------------------------------------------------
 
-    @torch.inference_mode()
     def next_token_logprobs_uncached(self, token_ids, lora_name=None) -> torch.Tensor:
         """Reference: one full forward of ``token_ids`` alone, no cache, no batching, the
         model's own attention implementation.
@@ -183,9 +179,7 @@ class AsyncTransformer(AsyncLM):
         adapter = self._lora_key(lora_name)
         ids = self._check_ids(token_ids)
         with self.front.lock:
-            self.runner.lora.activate(adapter)
-            out = self.model(torch.tensor([ids], device=self.device), use_cache=False)
-        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).to(self.runner.row_device)
+            return self.runner.uncached_row(ids, adapter)
 
 
 def _config_eos(config) -> list[int]:
@@ -195,22 +189,3 @@ def _config_eos(config) -> list[int]:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
 
-
-class CachedNode:
-    """A KV-tree node as :meth:`AsyncTransformer.walk_cache` returns it: the node's own
-    attributes (``edge``, ``slots``, ``children``, ``depth``, ...) plus genlm-backend's
-    ``past_key_values``: the KV of the node's edge, ``[layers, 2, kv_heads, len(edge),
-    head_dim]`` on the model's device (a copy gathered from the pool), None for a root."""
-
-    __slots__ = ("node", "pool")
-
-    def __init__(self, node, pool):
-        self.node, self.pool = node, pool
-
-    @property
-    def past_key_values(self):
-        slots = self.node.slots
-        return None if slots is None else self.pool.read(slots).clone()
-
-    def __getattr__(self, name):
-        return getattr(self.node, name)

@@ -160,3 +160,22 @@ def run_start(slots: np.ndarray) -> int:
     if n == 1 or (int(slots[-1]) - first == n - 1 and (n == 2 or bool((np.diff(slots) == 1).all()))):
         return first
     return -1
+
+class CachedNode:
+    """A KV-tree node as :meth:`.runner.HFRunner.walk` returns it: the node's own attributes (``edge``,
+    ``slots``, ``children``, ``depth``, ...) plus genlm-backend's ``past_key_values``: the KV of
+    the node's edge, ``[layers, 2, kv_heads, len(edge), head_dim]`` on the model's device (a
+    copy gathered from the pool), None for a root."""
+
+    __slots__ = ("node", "pool")
+
+    def __init__(self, node, pool: KVPool):
+        self.node, self.pool = node, pool
+
+    @property
+    def past_key_values(self):
+        slots = self.node.slots
+        return None if slots is None else self.pool.read(slots).clone()
+
+    def __getattr__(self, name):
+        return getattr(self.node, name)

@@ -25,7 +25,7 @@ from .forward import _outputs, dense_forward, tree_forward
 from .decode_step import DecodeStep, is_uniform
 from .kvtree import KVTree
 from .lora import LoraAdapters
-from .kv_pool import KVPool
+from .kv_pool import CachedNode, KVPool
 from .plan import ForwardBudget, Output, Path, group_paths, plan_batch
 
 
@@ -292,6 +292,24 @@ class HFRunner:
         finally:
             self._evict()
 
+    def walk(self, tokens: tuple[int, ...], adapter=None) -> tuple["CachedNode", int, object]:
+        """genlm-backend's cache walk: ``(node, n, past)`` where ``n`` tokens of ``tokens`` have
+        cached KV, ``node`` the deepest node on that path (:class:`CachedNode`) and ``past``
+        their KV ``[layers, 2, kv_heads, n, head_dim]`` (a copy; None when ``n == 0``). Reads
+        without reordering the LRU."""
+        segments, n, node = self.tree.match(tokens, touch=False, adapter=adapter)
+        past = (self.pool.read(np.concatenate([s for _, _, s in segments])).clone()
+                if segments else None)
+        return CachedNode(node, self.pool), n, past
+
+    @torch.inference_mode()
+    def uncached_row(self, tokens: tuple[int, ...], adapter=None) -> torch.Tensor:
+        """The reference row: one full forward of ``tokens`` alone under ``adapter``, no cache,
+        the model's own attention; float32 ``[V]`` on ``row_device``."""
+        self.lora.activate(adapter)
+        out = self.model(torch.tensor([tokens], device=self.device), use_cache=False)
+        return torch.log_softmax(out.logits[0, -1].float(), dim=-1).to(self.row_device)
+
     def close(self) -> None:
         self.tree.clear()
         if self.decode is not None:
@@ -395,3 +413,4 @@ class HFRunner:
         self.padded_tokens_forwarded += len(group) * max(n_new)
         self.kv_bytes_read += read
         return values, new_kv
+
