@@ -143,3 +143,19 @@ class TreeRunner(Runner, Protocol):
 
     def uncached_row(self, tokens: tuple[int, ...], adapter: int | None = None):
         """One full forward of ``tokens`` alone, no cache: float32 ``[V]`` log-probs."""
+
+
+def check_pin_budget(n_tokens: int, token_bytes: int, pinned: int, budget: int) -> None:
+    """The rule of every runner's ``pin``: a prompt of ``n_tokens`` (``token_bytes`` of KV
+    each) may be pinned only while everything pinned fits in the KV budget.
+
+    Raises:
+        ValueError: ``pinned`` bytes plus the prompt's exceed ``budget``; names both and the
+            way out.
+    """
+    need = n_tokens * token_bytes
+    if pinned + need > budget:
+        raise ValueError(
+            f"prompt_tokens ({n_tokens} tokens) need {need:,} bytes of KV; with {pinned:,} "
+            f"bytes pinned already that exceeds kv_budget_bytes={budget:,}: raise the budget "
+            f"or pin a shorter prompt")

@@ -206,19 +206,6 @@ def _prefix_attention(store, b: "DecodeBuffers", qg, scale: float):
     return o0, l0.reshape(Hkv, Rb, G).transpose(0, 1)
 
 
-_registered = False
-
-
-def register() -> None:
-    """Register :func:`decode_attention` with transformers' ``AttentionInterface`` (idempotent)."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(NAME, decode_attention)
-        _registered = True
-
-
 def is_uniform(group) -> bool:
     """Whether planned paths ``group`` are a uniform decode step: each path forwards one token
     after a cached context and answers one next-token row or decoding step at its end."""
@@ -272,7 +259,7 @@ class DecodeStep:
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.failed: str | None = None
-        register()
+        tree_attention.register(NAME, decode_attention)
 
     def stats(self) -> dict:
         return {"decode_steps": self.steps, "decode_replays": self.replays,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ...query import Prefill, Query, Score
-from ...runner import Capabilities
+from ...runner import Capabilities, check_pin_budget
 from . import tree_attention
 from .forward import _outputs, dense_forward, tree_forward
 from .decode_step import DecodeStep, is_uniform
@@ -275,13 +275,8 @@ class HFRunner:
         """
         node = self.tree.find(tokens, adapter)
         if node is None or not node.pinned:
-            need = len(tokens) * self.kv_token_bytes
-            pinned = self.tree.pinned_bytes()
-            if pinned + need > self.tree.budget_bytes:
-                raise ValueError(
-                    f"prompt_tokens ({len(tokens)} tokens) need {need:,} bytes of KV; with "
-                    f"{pinned:,} bytes pinned already that exceeds kv_budget_bytes="
-                    f"{self.tree.budget_bytes:,}: raise the budget or pin a shorter prompt")
+            check_pin_budget(len(tokens), self.kv_token_bytes, self.tree.pinned_bytes(),
+                             self.tree.budget_bytes)
         try:
             self.lora.activate(adapter)
             query = Prefill(tokens, adapter)

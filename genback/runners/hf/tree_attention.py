@@ -216,17 +216,18 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     return out.transpose(1, 2).contiguous(), None
 
 
-_registered = False
+_registered: set = set()
 
 
-def register() -> None:
-    """Register :func:`tree_attention` with transformers' ``AttentionInterface`` (idempotent)."""
-    global _registered
-    if not _registered:
+def register(name: str = NAME, function=None) -> None:
+    """Register an attention function with transformers' ``AttentionInterface`` under ``name``
+    (idempotent): :func:`tree_attention` as ``"genback_tree"`` by default, or the decode step's
+    (:func:`.decode_step.decode_attention`)."""
+    if name not in _registered:
         from transformers import AttentionInterface
 
-        AttentionInterface.register(NAME, tree_attention)
-        _registered = True
+        AttentionInterface.register(name, tree_attention if function is None else function)
+        _registered.add(name)
 
 
 @contextmanager

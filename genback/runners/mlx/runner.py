@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ...query import NextToken, Prefill, Query, Score
-from ...runner import Capabilities
+from ...runner import Capabilities, check_pin_budget
 from .kv import PrefixKV, _lcp
 
 
@@ -224,13 +224,8 @@ class MlxRunner:
             return
         existing = self.store.entries.get((adapter, tokens))
         if existing is None or not existing.pinned:
-            need = len(tokens) * self._token_bytes()
-            pinned = self.store.pinned_bytes()
-            if pinned + need > self.store.budget_bytes:
-                raise ValueError(
-                    f"prompt_tokens ({len(tokens)} tokens) need {need:,} bytes of KV; with "
-                    f"{pinned:,} bytes pinned already that exceeds kv_budget_bytes="
-                    f"{self.store.budget_bytes:,}: raise the budget or pin a shorter prompt")
+            check_pin_budget(len(tokens), self._token_bytes(), self.store.pinned_bytes(),
+                             self.store.budget_bytes)
         self._run([Prefill(tokens, adapter)])
         entry = self.store.entries.get((adapter, tokens))
         if entry is None:  # covered by a longer entry: keep its first len(tokens) positions
