@@ -280,7 +280,9 @@ class DecodeStep:
         R = len(group)
         if R > MAX_ROWS:
             return None
-        shared, private = split_segments(group, 1, shared_by_all=True)
+        # level 0 is the prefix of two or more rows; a single row's whole context is its own
+        # (its width then grows through power-of-two buckets, not a new prefix bucket per 256)
+        shared, private = split_segments(group, 1 if R > 1 else 1 << 62, shared_by_all=True)
         prefix = (np.concatenate([s for s, _ in shared]) if shared
                   else np.empty(0, dtype=np.int64))
         width = int(private.path_lengths().max()) + 1 if R else 1
