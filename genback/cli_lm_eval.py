@@ -46,10 +46,11 @@ genback's --model_args (key=value,key=value):
   other keys            options of the backend's from_name (e.g. kv_budget_bytes or
                         row_cache_size for hf)
 
-example (offline: ./tasks holds a task YAML over a local JSONL file; the evaluation guide of
-the docs shows one):
-  genback lm-eval --model_args pretrained=smollm2-135m,backend=hf --tasks my_task \\
-      --include_path ./tasks --limit 20
+example (offline: a task YAML over a local JSONL file, as in the repository's examples/own_data
+and the docs page "Evaluate on your own data"):
+  cd examples/own_data
+  genback lm-eval --model_args pretrained=smollm2-135m,backend=hf --tasks my_qa \\
+      --include_path . --limit 20
 
 genback's own option: --debug shows the Python traceback of an error instead of one line.
 
