@@ -33,7 +33,8 @@ OWN_DATA = ROOT / "examples" / "own_data"
 @pytest.mark.slow
 def test_own_data_task_runs_with_genback_lm_eval(module_smol_lm, tmp_path):
     """``examples/own_data`` (docs: "Evaluate on your own data"): the documented command, run in
-    that folder, gives the accuracy that scoring each choice directly gives."""
+    that folder, gives the accuracy that scoring each choice directly gives. (This is also the
+    suite's end-to-end run of ``genback lm-eval``: ``python -m genback`` is the same ``main``.)"""
     pytest.importorskip("lm_eval", reason="lm-eval is in the [eval] extra")
     import json
 
@@ -46,6 +47,7 @@ def test_own_data_task_runs_with_genback_lm_eval(module_smol_lm, tmp_path):
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"\|\s*my_qa\s*\|.*\|\s*acc\s*\|", proc.stdout), proc.stdout[-2000:]
+    assert "genback" in proc.stdout  # lm-eval's header names the model ('--model genback' added)
     [results] = tmp_path.rglob("results_*.json")
     acc = json.loads(results.read_text())["results"]["my_qa"]["acc,none"]
     rows = [json.loads(line) for line in (OWN_DATA / "my_qa.jsonl").read_text().splitlines()]
