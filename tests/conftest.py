@@ -15,13 +15,14 @@ from _vocab_fixtures import MISSING, gpt2_tokenizer
 
 torch.set_num_threads(1)  # two threads ran 4-8x slower and noisier on the 2-core CI machines
 
-# -- running on several cores (pytest-xdist; pyproject.toml's addopts: -n auto --dist loadgroup) -----
+# -- running on several cores (pytest-xdist; the addopts of pyproject.toml) ------------------------
 
 MAX_WORKERS = 4  # each worker loads its own SmolLM2 (and vLLM / MLX / Gemma for its files)
 
 # test files that share one session-scoped engine (conftest's ``vllm_lm``) run on one worker,
 # so the engine is started once
-SHARED_GROUPS = {"test_vllm_generation.py": "vllm_lora_engine", "test_vllm_lora.py": "vllm_lora_engine"}
+SHARED_GROUPS = {"test_vllm_generation.py": "vllm_lora_engine",
+                 "test_vllm_lora.py": "vllm_lora_engine"}
 
 
 # the files that take a minute or more (measured with --durations on the 2-core CI machine),

@@ -50,7 +50,8 @@ class DataParallel:
             import torch.distributed as dist
 
             if not dist.is_initialized():
-                dist.init_process_group(backend="nccl" if self.device.startswith("cuda") else "gloo")
+                backend = "nccl" if self.device.startswith("cuda") else "gloo"
+                dist.init_process_group(backend=backend)  # env://: the launcher's variables
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     @staticmethod
