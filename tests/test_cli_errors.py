@@ -21,7 +21,9 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 # (command as documented, what the one-line message must contain)
 MISTAKES = [
     ('genback logprobs ""', "argument PROMPT: is empty"),
+    ('genback logprobs "   "', "argument PROMPT: is only whitespace"),
     ("genback logprobs", "the following arguments are required: PROMPT"),
+    ('genback logprobs "The sky is" --topk 5', "unrecognized arguments: --topk 5 (did you mean --top-k?)"),
     ('genback logprobs "The sky is" --top-k -1', "argument --top-k: must be a whole number >= 1, got '-1'"),
     ('genback logprobs "The sky is" --top-k 0', "argument --top-k: must be a whole number >= 1, got '0'"),
     ('genback logprobs "The sky is" --top-k ten', "argument --top-k: must be a whole number >= 1, got 'ten'"),
@@ -95,4 +97,7 @@ def test_the_docs_list_exactly_these_mistakes():
     text = DOCS.read_text()
     section = text.split("## Mistakes and what genback answers", 1)[1].split("\n## ", 1)[0]
     documented = re.findall(r"^\| `(genback[^`]*)` \|", section, flags=re.M)
+    long_prompt = [d for d in documented if "9,000 words" in d]  # tests/test_cli.py runs it
+    assert len(long_prompt) == 1
+    documented.remove(long_prompt[0])
     assert sorted(documented) == sorted(m[0] for m in MISTAKES)

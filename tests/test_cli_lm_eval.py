@@ -79,6 +79,33 @@ def test_offline_dataset_and_empty_folder_fail_in_one_line(tmp_path):
     assert "pretrained=./empty: folder './empty' holds no model" in line
 
 
+def test_help_shows_genbacks_model_args_and_an_example(tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-eval is in the [eval] extra")
+    proc = _run(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours, _, theirs = proc.stdout.partition("lm-eval's options:")
+    for key in ("pretrained=", "backend=hf|vllm|mlx|mock", "max_length=", "max_gen_toks=",
+                "max_in_flight="):
+        assert key in ours, key
+    assert "genback lm-eval --model_args pretrained=smollm2-135m" in ours and "--include_path ." in ours
+    assert "--model_args" in theirs and "--tasks" in theirs  # lm-eval's own help follows
+
+
+WITHOUT_LM_EVAL = ("import sys; sys.modules['lm_eval'] = None; from genback.cli import main; "
+                   "sys.exit(main(sys.argv[1:]))")
+
+
+def test_without_lm_eval_the_error_names_the_extra(tmp_path):
+    """As on a machine without the [eval] extra: ``import lm_eval`` is blocked in that process."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_LM_EVAL, "lm-eval", "--tasks", "x"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("genback lm-eval: error: ImportError: ")
+    assert 'pip install "genback[eval]"' in line, line
+
+
 # -- embedded models whose packages are missing (not lm-eval, but the same one-line contract) ------
 
 

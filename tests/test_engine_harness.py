@@ -161,19 +161,6 @@ def test_lm_eval_command_line(tmp_path):
     assert re.search(r"\|\s*genback_mc\s*\|.*\|\s*acc\s*\|", out.stdout), out.stdout[-2000:]
 
 
-def test_genback_lm_eval_command(tmp_path):
-    """``genback lm-eval ...``: one command, the model registered, the rest is lm-eval's."""
-    pytest.importorskip("lm_eval", reason="lm-eval is in the [eval] extra")
-    out = subprocess.run(
-        [sys.executable, "-m", "genback.cli", "lm-eval", "--model_args",
-         "pretrained=smollm2-135m", "--tasks", "genback_mc", "--include_path",
-         str(_task_dir(tmp_path)), "--limit", "4"],
-        capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert re.search(r"\|\s*genback_mc\s*\|.*\|\s*acc\s*\|", out.stdout), out.stdout[-2000:]
-    assert "genback" in out.stdout  # lm-eval's header names the model
-
-
 def test_evalution_run_on_local_dataset_folder(lm):
     pytest.importorskip("evalution", reason="Evalution is in the [eval] extra")
     from evalution.benchmarks.arc_easy import ARCEasy

@@ -58,16 +58,17 @@ def _prefixes(ids, n, seed, longest=None):
 
 def test_rows_match_transformer_on_random_prefixes(mlx_lm, ref, text_ids):
     mlx_lm.clear_cache()
-    contexts = _prefixes(text_ids, 50, seed=0)
+    n = 24  # random prefixes of one text (nested ones among them); 50 took twice as long
+    contexts = _prefixes(text_ids, n, seed=0)
     rows = asyncio.run(mlx_lm.batch_next_token_logprobs(contexts))
     assert rows.dtype == torch.float32 and rows.device.type == "cpu"
-    assert rows.shape == (50, len(mlx_lm.byte_vocab)) == (50, ref.vocab_size)
+    assert rows.shape == (n, len(mlx_lm.byte_vocab)) == (n, ref.vocab_size)
     want = torch.stack([ref.next_token_logprobs_uncached(c) for c in contexts])
     diff = (rows - want).abs().max().item()
-    print(f"max abs diff vs AsyncTransformer on 50 prefixes: {diff:.3g}")
+    print(f"max abs diff vs AsyncTransformer on {n} prefixes: {diff:.3g}")
     assert diff < CROSS_TOL
-    assert torch.allclose(torch.logsumexp(rows.double(), -1), torch.zeros(50, dtype=torch.float64), atol=1e-5)
-    few = [0, 17, 33]
+    assert torch.allclose(torch.logsumexp(rows.double(), -1), torch.zeros(n, dtype=torch.float64), atol=1e-5)
+    few = [0, 11, 23]
     own = torch.stack([mlx_lm.next_token_logprobs_uncached(contexts[i]) for i in few])
     assert (rows[few] - own).abs().max().item() < SELF_TOL
     top = mlx_lm.tokenizer.decode(int(mlx_lm.next_token_logprobs_sync(

@@ -35,6 +35,7 @@ except ImportError as _exc:
     raise _missing_extra("genback.engine.GenbackLM (the lm-eval model 'genback')",
                         "lm-evaluation-harness (PyPI: lm-eval)", "lm_eval", _exc) from _exc
 
+from .data_parallel import DataParallel, launcher_ranks
 from .encoding import encode_text, prefix_token_id
 from .engine import GenbackEngine
 from .types import GenerationRequest, LoglikelihoodRequest, RollingLoglikelihoodRequest
@@ -67,6 +68,13 @@ class GenbackLM(TemplateLM):
             device falls back to the CPU (as ``HFLM`` does); only a device the user asked for
             is warned about, not lm-eval's own default ``"cuda:0"``.
         max_batch_size: accepted for lm-eval's CLI and not used (batches are formed by genback).
+
+    Under ``torchrun`` / ``accelerate launch`` (``WORLD_SIZE`` > 1) each process is one rank:
+    it loads its own model (on ``cuda:LOCAL_RANK`` when CUDA is available and no other device
+    was asked for, else on the CPU), joins the default process group (NCCL on GPUs, gloo on the
+    CPU), and lm-eval's evaluator gives it its share of the requests and gathers the results
+    on rank 0, which writes them (``rank``, ``world_size``, ``all_gather``, ``gather_object``,
+    ``barrier``).
         **llm_opts: options for the backend's ``from_name``.
     """
 
@@ -76,11 +84,20 @@ class GenbackLM(TemplateLM):
         super().__init__()
         if isinstance(max_in_flight, str) and max_in_flight.isdigit():  # from --model_args
             max_in_flight = int(max_in_flight)
+        _, world, local_rank = launcher_ranks()
+        if world > 1 and (device is None or str(device) in (_LM_EVAL_DEFAULT_DEVICE, "cuda")):
+            device = DataParallel.rank_device(local_rank)  # each rank on its own device
+        model_device = "cpu"
         if _usable_device(device) and lm is None and backend == "hf" and "hf_opts" not in llm_opts:
             llm_opts["hf_opts"] = {"device_map": device}
+            model_device = str(device)
         engine = GenbackEngine(backend=backend, lm=lm, llm_opts=llm_opts, max_length=max_length,
                                max_in_flight=max_in_flight, errors="raise")
         self.session = engine.build(pretrained)
+        # under torchrun / accelerate launch: this rank's place (lm-eval's evaluator splits the
+        # requests by rank and gathers the results on rank 0 through the methods below)
+        self._dp = DataParallel(device=model_device)
+        self._rank, self._world_size, self._device = self._dp.rank, self._dp.world_size, model_device
         self.tokenizer = self.session.tokenizer
         self.pretrained = pretrained
         self.max_gen_toks = max_gen_toks
@@ -181,6 +198,20 @@ class GenbackLM(TemplateLM):
         if chat_template is False or chat_template is None:
             return None
         return getattr(self.tokenizer, "chat_template", None)
+
+    # -- data parallelism (lm-eval's LM primitives; no-ops in one process) ------------------------
+
+    def all_gather(self, tensor):
+        """Every rank's ``tensor`` concatenated in rank order (lm-eval pads ranks with it)."""
+        return self._dp.all_gather(tensor)
+
+    def gather_object(self, obj, dst: int = 0):
+        """Every rank's ``obj`` in rank order on rank ``dst``, ``None`` on the others."""
+        return self._dp.gather_object(obj, dst=dst)
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self._dp.barrier()
 
     def close(self) -> None:
         """Close the genback session (idempotent)."""

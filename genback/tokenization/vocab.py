@@ -220,7 +220,7 @@ def check_byte_decoder(tokenizer, byte_decoder: dict) -> None:
 
     Raises:
         TypeError: ``byte_decoder`` is not a dict.
-        ByteDecoderError (a ``ValueError``): a value that is not a byte, a token character
+        ByteDecoderError: (a ``ValueError``) a value that is not a byte, a token character
             missing from the table, or a disagreement with the tokenizer's decoder.
     """
     if not isinstance(byte_decoder, dict):
@@ -254,9 +254,9 @@ def get_byte_vocab(tokenizer, vocab_size: int | None = None) -> list[bytes]:
         ``i``'s bytes. Ids inside the range that the tokenizer does not define are padded too.
 
     Raises:
-        ValueError (``ByteVocabError``): unsupported tokenizer family, a byte-level token with a
-            character outside the byte-to-unicode table, a disagreement with the tokenizer's
-            decoder, or ``vocab_size`` smaller than the tokenizer's vocabulary.
+        ByteVocabError: (a ``ValueError``) an unsupported tokenizer family, a byte-level token
+            with a character outside the byte-to-unicode table, a disagreement with the
+            tokenizer's decoder, or ``vocab_size`` smaller than the tokenizer's vocabulary.
         TypeError: ``vocab_size`` is not an int.
     """
     spec = _tokenizer_json(tokenizer)
