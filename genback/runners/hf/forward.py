@@ -53,7 +53,7 @@ def _wanted(spans) -> list[int]:
     return sorted({j for _, a, b in spans for j in range(a, b)})
 
 
-def _picks(spans, wanted: list[int]) -> list[int]:
+def _flat_positions(spans, wanted: list[int]) -> list[int]:
     """Flat indices into the ``[R, len(wanted)]`` grid of the (path, position) pairs the outputs
     need, output by output (each output's positions in order)."""
     column = {j: k for k, j in enumerate(wanted)}
@@ -166,7 +166,7 @@ def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.devic
 
 
 def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
-    """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`_picks`).
+    """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`_flat_positions`).
 
     The language-model head runs only on those positions: a pre-hook on the output embeddings
     selects them from the hidden states ``[R, W, H]`` of the union of the paths' positions
@@ -174,12 +174,12 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
     """
     dev = model.device if hasattr(model, "device") else input_ids.device
     wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
-    picks = torch.tensor(_picks(spans, wanted), dtype=torch.long, device=dev)
+    flat = torch.tensor(_flat_positions(spans, wanted), dtype=torch.long, device=dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def select(module, args):  # hidden [R, W, H] -> [1, K, H]
         hidden = args[0]
-        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, picks)[None],) + args[1:]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)[None],) + args[1:]
 
     handle = head.register_forward_pre_hook(select) if head is not None else None
     try:
@@ -197,7 +197,7 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
             handle.remove()
     logits = out.logits
     if head is None:  # no head module to hook: select from the full grid
-        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, picks)
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
     return out, logits.reshape(-1, logits.shape[-1])
 
 
@@ -221,10 +221,10 @@ def _outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) 
     return _results([o.query for p in paths for o in p.outputs], logits, row_device)
 
 
-def tree_forward(model, rows: list[Path], *, pad_id: int, min_shared_tokens: int,
+def tree_forward(model, paths: list[Path], *, pad_id: int, min_shared_tokens: int,
                  kernel: str, pool: KVPool, row_device: torch.device
                  ) -> tuple[list, list[np.ndarray], int]:
-    """Forward paths ``rows`` with tree attention; return each output's result (paths' outputs
+    """Forward ``paths`` with tree attention; return each output's result (paths' outputs
     in order), each path's new slots ``int64 [n_new]`` (KV written in ``pool``) and the KV bytes
     read (all layers).
 
@@ -232,12 +232,12 @@ def tree_forward(model, rows: list[Path], *, pad_id: int, min_shared_tokens: int
     tokens' KV goes).
     """
     dev = pool.device
-    input_ids, positions, n_new = _inputs(rows, pad_id)
+    input_ids, positions, n_new = _inputs(paths, pad_id)
     R, m = input_ids.shape
-    shared, private = split_segments(rows, min_shared_tokens)
+    shared, private = split_segments(paths, min_shared_tokens)
     new_slots = _new_slots(pool, n_new, m)
     try:
-        # private pasts and new tokens: each layer gathers its rows' keys and values from the
+        # private pasts and new tokens: each layer gathers its paths' keys and values from the
         # pool with one index (the new tokens' slots written first, by the cache)
         layout, pads = private.layout(new_slots)
         P = layout.shape[1] - m
@@ -262,27 +262,27 @@ def tree_forward(model, rows: list[Path], *, pad_id: int, min_shared_tokens: int
                                          torch.from_numpy(new_slots.ravel()).to(dev), index, P,
                                          mask.to(dev), kernel, out)
         with tree_attention.active(batch), tree_attention.use_tree_attention(model.config):
-            _, logits = _run_model(model, input_ids, positions, _spans(rows), TreeCache(batch))
+            _, logits = _run_model(model, input_ids, positions, _spans(paths), TreeCache(batch))
     except BaseException:
         pool.free(new_slots[new_slots > 0])
         raise
     read = pool.token_bytes * (sum(len(slots) for slots, _ in shared) + R * P)
-    return _outputs(rows, logits, row_device), _split_new_slots(n_new, new_slots), read
+    return _outputs(paths, logits, row_device), _split_new_slots(n_new, new_slots), read
 
 
-def dense_forward(model, rows: list[Path], *, pad_id: int, pool: KVPool,
+def dense_forward(model, paths: list[Path], *, pad_id: int, pool: KVPool,
                   row_device: torch.device) -> tuple[list, list[np.ndarray], int]:
-    """Forward paths ``rows`` over their gathered pasts (models without the attention
+    """Forward ``paths`` over their gathered pasts (models without the attention
     interface); return as :func:`tree_forward` does."""
     from transformers import DynamicCache
 
     dev = pool.device
-    input_ids, positions, n_new = _inputs(rows, pad_id)
+    input_ids, positions, n_new = _inputs(paths, pad_id)
     R, m = input_ids.shape
-    P = max(r.cached for r in rows)
+    P = max(r.cached for r in paths)
     mask = torch.zeros((R, P + m), dtype=torch.long)
     past = np.zeros((R, P), dtype=np.int64)  # each path's past slots, left-padded with slot 0
-    for i, r in enumerate(rows):
+    for i, r in enumerate(paths):
         mask[i, P - r.cached: P + n_new[i]] = 1
         if r.cached:
             past[i, P - r.cached:] = np.concatenate([s for _, _, s in r.segments])
@@ -297,9 +297,9 @@ def dense_forward(model, rows: list[Path], *, pad_id: int, pool: KVPool,
             cache.layers[layer].keys, cache.layers[layer].values = kv[0], kv[1]
     new_slots = _new_slots(pool, n_new, m)
     try:
-        out, logits = _run_model(model, input_ids, positions, _spans(rows), cache,
+        out, logits = _run_model(model, input_ids, positions, _spans(paths), cache,
                                  None if bool(mask.all()) else mask.to(dev))
-        values = _outputs(rows, logits, row_device)
+        values = _outputs(paths, logits, row_device)
         index = torch.from_numpy(new_slots.ravel()).to(dev)
         for j, layer in enumerate(out.past_key_values.layers):  # the new tokens' KV, one copy
             H, D = layer.keys.shape[1], layer.keys.shape[3]

@@ -14,7 +14,8 @@ all KV lives in the runner's :class:`~.kv_pool.KVPool`):
 * ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``), whose keys and values
   each layer first writes into the slots the forward took for them;
 * shared segments (:func:`.segments.split_segments`): tree nodes' slots, read in place where
-  they are one run of the pool, each with the rows below it;
+  they are one run of the pool, each with the paths below it (a path is a row of the forward's
+  batch);
 * a private past per row: the rest of its cached KV, gathered layer by layer together with the
   row's new tokens from the pool into ``[R, kv_heads, P + m, dim]`` (past left-padded and
   masked, new tokens causal).
@@ -41,13 +42,14 @@ _local = threading.local()
 class Segment:
     """A shared tree segment of ``length`` pool slots: the run ``start ..`` (read in place) when
     ``index`` is None, else the slots ``index`` (long ``[length]`` on the device, gathered); and
-    the rows below it (``rows`` long ``[n]`` on the device, or None for every row)."""
+    the paths below it (``paths``: their indices in the forward's batch, long ``[n_paths]`` on
+    the device, or None for every path)."""
 
     start: int
     index: torch.Tensor | None
     length: int
-    rows: torch.Tensor | None
-    n_rows: int
+    paths: torch.Tensor | None
+    n_paths: int
 
     def read(self, pool, layer: int) -> torch.Tensor:
         """``[2, kv_heads, length, dim]``: this segment's keys and values at ``layer``."""
@@ -199,19 +201,19 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     # 2. shared segments: every row below a segment attends to it in one product
     for seg in batch.segments:
         ks, vs = seg.read(batch.pool, layer)  # [Hkv, L, D] each, in place where a run
-        qs = qg if seg.rows is None else qg.index_select(0, seg.rows)
-        n = seg.n_rows
+        qs = qg if seg.paths is None else qg.index_select(0, seg.paths)
+        n = seg.n_paths
         qs = qs.transpose(0, 1).reshape(1, Hkv, n * G * m, D)
         o_s, l_s = _attend(qs, ks[None], vs[None], scale, batch.kernel)
         o_s = o_s[0].reshape(Hkv, n, G * m, D).transpose(0, 1).float()
         l_s = l_s[0].reshape(Hkv, n, G * m).transpose(0, 1)
-        if seg.rows is None:
+        if seg.paths is None:
             out, lse = _merge(out, lse, o_s, l_s)
         else:
-            o_m, l_m = _merge(out.index_select(0, seg.rows), lse.index_select(0, seg.rows),
+            o_m, l_m = _merge(out.index_select(0, seg.paths), lse.index_select(0, seg.paths),
                               o_s, l_s)
-            out.index_copy_(0, seg.rows, o_m)
-            lse.index_copy_(0, seg.rows, l_m)
+            out.index_copy_(0, seg.paths, o_m)
+            lse.index_copy_(0, seg.paths, l_m)
     out = out.to(query.dtype).reshape(R, Hq, m, D)
     return out.transpose(1, 2).contiguous(), None
 
