@@ -221,6 +221,8 @@ def cmd_sample(args) -> int:
     Raises:
         UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
     """
+    if args.tree:
+        _tree_format(args.tree)  # (before any work)
     lm = _load(args)
     ids = _encode(lm, args.prompt)
     eos = [lm.tokenizer.eos_token_id] if lm.tokenizer.eos_token_id is not None else []
@@ -258,8 +260,52 @@ def cmd_sample(args) -> int:
               f"{info['tokens_queried']} ({info['tokens_queried'] / max(1, info['tokens_forwarded']):.1f}x "
               f"saved by the KV prefix tree)"
               + (f", KV held {info['kv_bytes'] / 2**20:.1f} MiB" if "kv_bytes" in info else ""))
-    lm.close()
+    try:
+        if args.tree:
+            _write_tree(lm, args.tree)
+    finally:
+        lm.close()
     return 0
+
+
+def _write_tree(lm, path: str) -> None:
+    """``genback sample --tree FILE``: the KV tree's picture as Graphviz source (``.gv`` /
+    ``.dot``) or rendered by ``dot`` (the format from the suffix).
+
+    Raises:
+        UsageError: the backend has no KV tree, the suffix names no format, or ``dot`` is
+            missing for a rendered format.
+    """
+    from pathlib import Path
+
+    if not hasattr(lm, "visualize_cache"):
+        raise UsageError(f"--tree needs the hf backend (a KV tree); {type(lm).__name__} has none")
+    fmt = _tree_format(path)
+    picture = lm.visualize_cache()
+    out = Path(path)
+    if fmt in ("gv", "dot"):
+        out.write_text(picture.source)
+    else:
+        out.write_bytes(picture.pipe(format=fmt))
+    print(f"KV tree picture written to {out}")
+
+
+def _tree_format(path: str) -> str:
+    """The format ``--tree FILE`` asks for, from its suffix.
+
+    Raises:
+        UsageError: an unknown suffix, or a rendered format without Graphviz's ``dot``.
+    """
+    import shutil
+    from pathlib import Path
+
+    fmt = Path(path).suffix.lstrip(".").lower()
+    if fmt not in ("gv", "dot", "svg", "png", "pdf"):
+        raise UsageError(f"--tree {path}: the suffix must be .gv, .dot, .svg, .png or .pdf")
+    if fmt not in ("gv", "dot") and shutil.which("dot") is None:
+        raise UsageError(f"--tree {path}: rendering .{fmt} needs Graphviz's dot program "
+                         f"(apt-get install graphviz), or write FILE.gv (its source) instead")
+    return fmt
 
 
 def cmd_eval(args) -> int:

@@ -235,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(every particle then writes the same text) (default: off)")
     p.add_argument("--seed", type=_int_at_least(0), default=0, metavar="S",
                    help="particle i samples with seed S + i, so runs repeat (default: %(default)s)")
+    p.add_argument("--tree", metavar="FILE",
+                   help="at the end, write a picture of the KV tree the particles left (hf "
+                        "backend): FILE.gv / FILE.dot is Graphviz source; .svg, .png or .pdf "
+                        "are rendered with Graphviz's dot program")
 
     add("lm-eval", "run lm-evaluation-harness tasks with genback (lm-eval's own options)",
         LM_EVAL_HELP)

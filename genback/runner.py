@@ -16,7 +16,7 @@ What ``AsyncLM`` (its front and parts) calls on a runner, by what the runner dec
 | ``batching="engine"`` | ``async answer_shared(query)``, ``reset(message)``, ``requests()`` | :class:`EngineRunner` |
 | ``adapters`` | ``add_adapter(path)``, ``remove_adapter(key, error)`` | :class:`AdapterRunner` |
 | ``streams`` | ``can_stream(...)``, ``stream(...)`` | :class:`StreamingRunner` |
-| ``cache_kind="prefix tree"`` | ``walk(tokens, adapter)``, ``uncached_row(tokens, adapter)`` | :class:`TreeRunner` |
+| ``cache_kind="prefix tree"`` | ``walk(tokens, adapter)``, ``uncached_row(tokens, adapter)``, ``picture(decode, max_nodes, adapter)`` | :class:`TreeRunner` |
 
 Nothing else of a runner is read by the front, the parts or the facade. Every method except
 ``stats``, the engine runner's and the streaming runner's is called with the front's forward
@@ -143,6 +143,9 @@ class TreeRunner(Runner, Protocol):
 
     def uncached_row(self, tokens: tuple[int, ...], adapter: int | None = None):
         """One full forward of ``tokens`` alone, no cache: float32 ``[V]`` log-probs."""
+
+    def picture(self, decode, max_nodes: int = 200, adapter: int | None = None):
+        """The tree as a ``graphviz.Digraph`` (:func:`genback.runners.hf.picture.draw`)."""
 
 
 def check_pin_budget(n_tokens: int, token_bytes: int, pinned: int, budget: int) -> None:

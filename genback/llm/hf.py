@@ -141,6 +141,26 @@ class AsyncTransformer(AsyncLM):
             ) from exc
         return cls(model, tokenizer, **kwargs)
 
+    def visualize_cache(self, max_nodes: int = 200, lora_name=None):
+        """A picture of the KV tree (``graphviz.Digraph``): one box per node with its token
+        count, KV bytes and how many recently asked contexts end at or below it (pinned nodes
+        double-bordered), edges labelled with their decoded text, the prompt shortened. Shows
+        which prefixes particles share, where resampling collapsed them, what a prompt's reuse
+        looks like. Building it needs the ``graphviz`` package only; ``.render()`` / ``.pipe()``
+        need Graphviz's ``dot`` program. See :func:`genback.runners.hf.picture.draw`.
+
+        Args:
+            max_nodes: most nodes drawn (depth first); a note counts the rest.
+            lora_name: the adapter whose tree is drawn (None: the base model's).
+
+        Raises:
+            ImportError: ``graphviz`` is not installed. ValueError: ``max_nodes < 1`` or an
+                unknown ``lora_name``.
+        """
+        adapter = self._lora_key(lora_name)
+        with self.front.lock:
+            return self.runner.picture(self.tokenizer.decode, max_nodes, adapter)
+
     def walk_cache(self, token_ids, lora_name=None):
         """genlm-backend's view of the KV cache: how much of ``token_ids`` has cached KV.
 

@@ -57,6 +57,16 @@ class Ends:
         if len(self._current) >= self.keep:
             self._before, self._current = self._current, {}
 
+    def entries(self):
+        """Every remembered ``(tokens, node, adapter)``, each context once (for pictures and
+        statistics; :func:`.picture.live_counts` checks which still hold)."""
+        seen = set()
+        for table in (self._current, self._before):
+            for key, entry in table.items():
+                if key not in seen:
+                    seen.add(key)
+                    yield entry
+
     def clear(self) -> None:
         """Forget every note."""
         self._current, self._before = {}, {}

@@ -91,6 +91,10 @@ class KVTree:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def root_of(self, adapter=None) -> _Node:
+        """The root of ``adapter``'s tree (an empty stand-in when nothing is cached under it)."""
+        return self._roots.get(adapter) or _Node(None, (), None, 0)
+
     def _root(self, adapter) -> _Node:
         root = self._roots.get(adapter)
         if root is None:

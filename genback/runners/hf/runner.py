@@ -26,6 +26,7 @@ from .decode_step import DecodeStep, is_uniform
 from .kvtree import KVTree
 from .lora import LoraAdapters
 from .kv_pool import CachedNode, KVPool
+from .picture import draw
 from .plan import ForwardBudget, Output, Path, group_paths, plan_batch
 
 
@@ -296,6 +297,10 @@ class HFRunner:
         past = (self.pool.read(np.concatenate([s for _, _, s in segments])).clone()
                 if segments else None)
         return CachedNode(node, self.pool), n, past
+
+    def picture(self, decode, max_nodes: int = 200, adapter=None):
+        """The KV tree under ``adapter`` as a ``graphviz.Digraph`` (:func:`.picture.draw`)."""
+        return draw(self.tree, decode, max_nodes, adapter)
 
     @torch.inference_mode()
     def uncached_row(self, tokens: tuple[int, ...], adapter=None) -> torch.Tensor:
