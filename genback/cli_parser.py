@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", metavar="FILE",
                    help="at the end, write a picture of the KV tree the particles left (hf "
                         "backend): FILE.gv / FILE.dot is Graphviz source; .svg, .png or .pdf "
-                        "are rendered with Graphviz's dot program")
+                        "are rendered with Graphviz's dot program (default: no picture)")
 
     add("lm-eval", "run lm-evaluation-harness tasks with genback (lm-eval's own options)",
         LM_EVAL_HELP)
