@@ -92,9 +92,18 @@ class KVPool:
         return slots
 
     def _take_free(self, n: int) -> np.ndarray:
-        free = np.concatenate(self._free) if len(self._free) > 1 else self._free[0]
-        slots, rest = free[-n:], free[:-n]
-        self._free = [rest] if len(rest) else []
+        # from the most recently freed runs backwards: O(n), whatever is free in all
+        parts, need = [], n
+        while need:
+            last = self._free[-1]
+            if len(last) <= need:
+                parts.append(self._free.pop())
+                need -= len(last)
+            else:
+                parts.append(last[len(last) - need:])
+                self._free[-1] = last[:len(last) - need]
+                need = 0
+        slots = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self._n_free -= n
         self.in_use += n
         return slots

@@ -138,9 +138,9 @@ class HFRunner:
         self.pool = KVPool(self.layout)  # every cached token's KV, in slots
         self.tree = KVTree(kv_budget_bytes, self.pool)
         self.kv_token_bytes = self.pool.token_bytes
-        self._score_bytes = 4 * getattr(model.config, "num_attention_heads", self.pool.heads)
-        self.budget = ForwardBudget(max_forward_bytes, self._score_bytes,
-                                    4 * int(getattr(model.config, "vocab_size", 0) or 0))
+        self.budget = ForwardBudget(
+            max_forward_bytes, 4 * getattr(model.config, "num_attention_heads", self.pool.heads),
+            4 * int(getattr(model.config, "vocab_size", 0) or 0))
         reason = tree_attention_support(model)
         if attention == "tree" and reason:
             raise ValueError(f"attention='tree' is not available for this model: {reason}")
@@ -229,8 +229,8 @@ class HFRunner:
                                parent=q.parent, segments=False)[1]
 
     def _run_pieces(self, q: Query, pieces: list[Query]):
-        """Run ``pieces`` (from :meth:`.plan.ForwardBudget.pieces`) one forward each; return ``q``'s result (the
-        target slices' log-probs, and greedy flags, joined in order)."""
+        """Run ``pieces`` (:meth:`.plan.ForwardBudget.pieces`) one forward each; return ``q``'s
+        result (the target slices' log-probs, and greedy flags, joined in order)."""
         parts = []
         for piece in pieces:
             match = self.tree.match(piece.tokens, len(piece.tokens) - piece.n_outputs,
@@ -347,7 +347,7 @@ class HFRunner:
                 held.append(p.holder)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
-                                     self._score_bytes):
+                                     self.budget.score_bytes):
                 values, new_slots = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, slots in zip(group, new_slots):
