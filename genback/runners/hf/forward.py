@@ -29,16 +29,28 @@ from .segments import split_segments
 from .tree_cache import TreeCache
 
 
+def _long(values, device=None) -> torch.Tensor:
+    """int64 tensor of a list of ints (or of equal-length tuples) on ``device``, through NumPy
+    (``torch.tensor`` of a 256-int list costs ~29 us on this project's CPU, NumPy ~4 us)."""
+    t = torch.from_numpy(np.array(values, dtype=np.int64))
+    return t if device is None else t.to(device)
+
+
 def _inputs(paths: list[Path], pad_id: int):
-    """input_ids / position_ids ``[R, m]`` (CPU) and the new-token counts: one tensor built from
+    """input_ids / position_ids ``[R, m]`` (CPU) and the new-token counts: one array built from
     the paths' new tokens (right-padded with ``pad_id``), not a torch call per path."""
+    R = len(paths)
     n_new = [p.n_new for p in paths]
     m = max(n_new)
-    pad = (pad_id,) * m
-    input_ids = torch.tensor([p.tokens[p.cached:] + pad[: m - n]
-                              for p, n in zip(paths, n_new)], dtype=torch.long)
-    positions = torch.tensor([p.cached for p in paths])[:, None] + torch.arange(m)
-    return input_ids, positions, n_new
+    if m == 1:  # a decode step: each path's last token
+        ids = np.fromiter((p.tokens[-1] for p in paths), dtype=np.int64, count=R)[:, None]
+    else:
+        pad = (pad_id,) * m
+        ids = np.array([p.tokens[p.cached:] + pad[: m - n] for p, n in zip(paths, n_new)],
+                       dtype=np.int64)
+    cached = np.fromiter((p.cached for p in paths), dtype=np.int64, count=R)
+    positions = cached[:, None] + np.arange(m, dtype=np.int64)
+    return torch.from_numpy(ids), torch.from_numpy(positions), n_new
 
 
 def _spans(paths: list[Path]) -> list[tuple[int, int, int]]:
@@ -174,7 +186,7 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
     """
     dev = model.device if hasattr(model, "device") else input_ids.device
     wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
-    flat = torch.tensor(_flat_positions(spans, wanted), dtype=torch.long, device=dev)
+    flat = _long(_flat_positions(spans, wanted), dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def select(module, args):  # hidden [R, W, H] -> [1, K, H]
@@ -256,7 +268,7 @@ def tree_forward(model, paths: list[Path], *, pad_id: int, min_shared_tokens: in
             start = run_start(slots)
             segments.append(tree_attention.Segment(
                 start, None if start >= 0 else torch.from_numpy(slots).to(dev), len(slots),
-                None if len(idx) == R else torch.tensor(idx, dtype=torch.long, device=dev),
+                None if len(idx) == R else _long(idx, dev),
                 len(idx)))
         batch = tree_attention.TreeBatch(segments, pool,
                                          torch.from_numpy(new_slots.ravel()).to(dev), index, P,

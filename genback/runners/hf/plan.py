@@ -5,7 +5,10 @@ which query outputs each path answers.
   forward's input batch), with the :class:`Output` s it answers. A query whose tokens are a prefix
   of a longer path of the batch is answered by that path, at its own positions: a forward computes
   logits at every position it forwards, so the 256 nested prefixes of one sequence cost one path.
-* :func:`plan_batch`: the levels of a batch: KV-only prefills of uncached prefixes that several
+* :func:`plan_step`: the plan of a uniform decode step (an SMC or decoding step: every query one
+  token after a context whose KV ends at a tree node), matched in O(1) per query from the
+  tree's notes (:class:`.ends.Ends`), with no grouping, sorting or budget check per query.
+* :func:`plan_batch`: the levels of any other batch: KV-only prefills of uncached prefixes that several
   paths share (shortest first), then the paths that answer the queries. Each query is matched
   against the tree once; prefixes are compared only on their uncached suffixes, in C (tuple
   slices and comparisons), never token by token in Python.
@@ -77,6 +80,47 @@ class Path:
     def __repr__(self) -> str:
         return (f"Path({len(self.tokens)} tokens, cached={self.cached}, limit={self.limit}, "
                 f"outputs={[(o.index, o.end) for o in self.outputs]})")
+
+
+def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> list[Path] | None:
+    """The plan of a uniform decode step, or None when ``queries`` are not one.
+
+    A uniform step is what an SMC step or a decoding step asks: every query is a next-token row
+    or a decoding step whose context is its :attr:`~genback.query.Query.parent` plus one token,
+    that parent's KV ends exactly at a tree node (``ends.get(parent, adapter)``: noted by the
+    runner when it was computed, and still there), no two queries have the same context, and
+    the longest context's one-token forward fits in ``budget``. Then each query is one matched
+    path (cached: its parent; holder: that node) that forwards its last token; this is what
+    :func:`plan_batch` would plan for them (one level, one path per query), without matching,
+    grouping or sorting: a dictionary look-up and a :class:`Path` per query.
+
+    Args:
+        queries: distinct queries of one adapter.
+        ends: the tree's :class:`.ends.Ends`.
+        adapter: the queries' adapter key.
+        budget: the runner's :class:`ForwardBudget`.
+    """
+    paths: list[Path] = []
+    longest = 0
+    get = ends.get
+    for i, q in enumerate(queries):
+        parent = q.parent
+        if parent is None or q.n_outputs != 1:  # (a Score or Prefill has no parent)
+            return None
+        node = get(parent, adapter)
+        if node is None:
+            return None
+        n = len(q.tokens)
+        paths.append(Path(q.tokens, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node)))
+        if n > longest:
+            longest = n
+    # two queries with one context (a row and a decoding step of it, or two picks): one path
+    # answers both in plan_batch, so they are planned there
+    if len({(id(p.holder), p.tokens[-1]) for p in paths}) < len(paths):
+        return None
+    if budget.working_set(1, longest, 1) > budget.max_bytes:
+        return None  # (the longest is answered in pieces)
+    return paths
 
 
 def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list[list[Path]]:

@@ -27,7 +27,7 @@ from .kvtree import KVTree
 from .lora import LoraAdapters
 from .kv_pool import CachedNode, KVPool
 from .picture import draw
-from .plan import ForwardBudget, Output, Path, group_paths, plan_batch
+from .plan import ForwardBudget, Output, Path, group_paths, plan_batch, plan_step
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -196,9 +196,15 @@ class HFRunner:
         return results
 
     def _answer(self, queries: list[Query]) -> list:
-        """Results of one adapter's queries: those too large for one forward in pieces, the
+        """Results of one adapter's queries: a uniform decode step as one level
+        (:func:`.plan.plan_step`); otherwise those too large for one forward in pieces, the
         rest planned together (:func:`.plan.plan_batch`) and executed level by level."""
         results: list = [None] * len(queries)
+        step = plan_step(queries, self.tree.ends, queries[0].adapter, self.budget)
+        if step is not None:  # an SMC or decoding step
+            for output, value in self._execute(step):
+                results[output.index] = value
+            return results
         fit = []
         for i, q in enumerate(queries):
             try:
