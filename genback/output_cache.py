@@ -68,19 +68,24 @@ class OutputCache:
         """``put`` of each ``(key, row)`` of ``items``, in order, under one lock."""
         if self.max_entries == 0:
             return
-        rows, devices = self._rows, self._devices
+        rows, devices, move = self._rows, self._devices, self.move_to_cpu
         with self._lock:
+            held = self.bytes_held
             for key, row in items:
-                if self.move_to_cpu and hasattr(row, "device"):
+                if move and hasattr(row, "device"):
                     devices[key] = row.device
                     row = row.cpu()
                 old = rows.pop(key, None)
-                self.bytes_held += _nbytes(row) - _nbytes(old)
+                if old is not None:
+                    held -= old.nbytes
+                held += 0 if row is None else row.nbytes
                 rows[key] = row
-            while len(rows) > self.max_entries:
+            for _ in range(len(rows) - self.max_entries):  # the least recently used go
                 gone, dropped = rows.popitem(last=False)
-                devices.pop(gone, None)
-                self.bytes_held -= _nbytes(dropped)
+                if devices:
+                    devices.pop(gone, None)
+                held -= _nbytes(dropped)
+            self.bytes_held = held
 
     def drop(self, predicate) -> int:
         """Remove every row whose key satisfies ``predicate(key)``; return how many."""

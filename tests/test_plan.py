@@ -17,7 +17,9 @@ from genback.llm.inputs import ContextChecker
 from genback.query import NextToken, Prefill, Score
 from genback.runners.hf.kv_pool import KVPool
 from genback.runners.hf.kvtree import KVTree, common_prefix_length
-from genback.runners.hf.plan import plan_batch
+from genback.runners.hf.plan import ForwardBudget, Path, group_paths, plan_batch, plan_step
+from genback.query import Step
+from genback.sampling import Pick, SamplingParams
 
 
 @settings(max_examples=300, deadline=None)
@@ -289,3 +291,85 @@ def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale()
     tree.evict()  # the node is gone: the note is stale and must not be used
     assert node.slots is None
     assert tree.match(child, len(ctx), touch=False, parent=ctx)[1] == 0
+
+
+def _step_queries(tree: KVTree, n: int):
+    """``n`` particles after a noted 50-token prompt whose KV ends at a node: each query one
+    token after a validated parent (a copy per particle: the parent is the prompt's tuple)."""
+    prompt = tuple(range(100, 150))
+    node = tree.insert(prompt, 0, np.arange(1, 51))
+    tree.ends.note(prompt, node)
+    return prompt, node, [NextToken(prompt + (t,), _parent=prompt) for t in range(n)]
+
+
+def _plain(level):
+    return sorted((p.tokens, p.cached, id(p.holder), p.limit,
+                   [(o.index, o.end) for o in p.outputs]) for p in level)
+
+
+def test_a_uniform_step_is_planned_as_plan_batch_plans_it_without_matching():
+    tree = KVTree(1 << 30)
+    prompt, node, queries = _step_queries(tree, 8)
+    budget = ForwardBudget(1 << 30, 16, 4 * 1000)
+    step = plan_step(queries, tree.ends, None, budget)
+    general = plan_batch(queries, lambda q, limit: tree.match(
+        q.tokens, limit, parent=q.parent, touch=False, segments=False))
+    assert len(general) == 1 and _plain(step) == _plain(general[0])
+    assert all(p.holder is node and p.cached == 50 and p.n_new == 1 for p in step)
+
+
+def test_plan_step_leaves_every_other_batch_to_plan_batch():
+    tree = KVTree(1 << 30)
+    prompt, node, queries = _step_queries(tree, 4)
+    budget = ForwardBudget(1 << 30, 16, 4 * 1000)
+    assert plan_step(queries, tree.ends, None, budget) is not None
+    # a query without a parent, a score, a prefill
+    assert plan_step(queries + [NextToken(prompt + (9, 9))], tree.ends, None, budget) is None
+    assert plan_step(queries + [Score(prompt, (3,))], tree.ends, None, budget) is None
+    assert plan_step(queries + [Prefill(prompt + (5,))], tree.ends, None, budget) is None
+    # a parent that is an equal tuple but not the noted one (never trusted), another adapter
+    copy = tuple(list(prompt))
+    assert plan_step([NextToken(copy + (1,), _parent=copy)], tree.ends, None, budget) is None
+    assert plan_step(queries, tree.ends, 3, budget) is None
+    # a row and a decoding step of one context: one path answers both (plan_batch's)
+    step = Step(prompt + (0,), Pick(SamplingParams(), 50, 0), _parent=prompt)
+    assert plan_step(queries + [step], tree.ends, None, budget) is None
+    # the longest context's one-token forward does not fit: answered in pieces
+    small = ForwardBudget(budget.working_set(1, 51, 1) - 1, 16, 4 * 1000)
+    assert plan_step(queries, tree.ends, None, small) is None
+    # the parent's node evicted: the note is stale
+    tree.budget_bytes = 1
+    tree.evict()
+    assert plan_step(queries, tree.ends, None, budget) is None
+
+
+def _grouped_by_the_rule(paths, max_tokens, max_bytes, score_bytes):
+    """group_paths' rule applied path by path (the reference for its whole-batch shortcut)."""
+    order = sorted(paths, key=lambda r: r.n_new, reverse=True)
+    groups, group = [], []
+    for r in order:
+        trial = group + [r]
+        longest = trial[0].n_new
+        size = len(trial)
+        waste = size * longest - sum(p.n_new for p in trial)
+        past = max(p.cached for p in trial)
+        if group and (waste > max(32, size * longest // 16) or size * longest > max_tokens
+                      or size * longest * (past + longest) * score_bytes > max_bytes):
+            groups.append(group)
+            trial = [r]
+        group = trial
+    return groups + [group] if group else groups
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 80), st.integers(0, 500)), min_size=1, max_size=40),
+       st.integers(1, 400), st.integers(1, 1 << 22), st.integers(1, 64))
+def test_group_paths_agrees_with_its_rule_path_by_path(shapes, max_tokens, max_bytes, score_bytes):
+    paths = []
+    for n_new, cached in shapes:
+        p = Path(tuple(range(cached + n_new)), None, cached, [])
+        p.matched(cached, None)
+        paths.append(p)
+    got = group_paths(paths, max_tokens, max_bytes, score_bytes)
+    want = _grouped_by_the_rule(paths, max_tokens, max_bytes, score_bytes)
+    assert [[id(p) for p in g] for g in got] == [[id(p) for p in g] for g in want]

@@ -251,10 +251,12 @@ class Front:
         if todo:
             with self.lock:
                 self.check_open()
-                for i in todo:
-                    results[i] = self.adapter_error(queries[i].adapter)
-                todo = [i for i in todo if results[i] is None]
-                computed = self.runner.run([queries[i] for i in todo]) if todo else []
+                if self.adapters is not None:
+                    for i in todo:
+                        results[i] = self.adapters.error(queries[i].adapter)
+                    todo = [i for i in todo if results[i] is None]
+                computed = (self.runner.run(queries if len(todo) == len(queries)
+                                            else [queries[i] for i in todo]) if todo else [])
             for i, value in zip(todo, computed):
                 results[i] = value
             self.store_many([queries[i] for i in todo], computed)
@@ -268,7 +270,7 @@ class Front:
         memory are returned as cached: their callers copy them (the same bytes either way)."""
         results = self.compute(queries)
         at = [i for i, (q, r) in enumerate(zip(queries, results))
-              if type(q) is NextToken and isinstance(r, torch.Tensor) and r.device.type != "cpu"]
+              if type(q) is NextToken and isinstance(r, torch.Tensor) and not r.is_cpu]
         if at:
             for i, row in zip(at, torch.stack([results[i] for i in at]).unbind(0)):
                 results[i] = row
@@ -291,7 +293,7 @@ class Front:
         """``row`` as the caller's own tensor, from :meth:`submit`'s result for a next-token
         query: accelerator rows from the batcher are copies already (:meth:`_compute_owned`),
         other rows are cloned."""
-        if row.device.type != "cpu" and isinstance(self.scheduler, Batcher):
+        if not row.is_cpu and isinstance(self.scheduler, Batcher):
             return row
         return row.clone()
 
@@ -320,6 +322,6 @@ def _copy_result(result):
     """The batcher's copy for the second and later callers of one query: an accelerator tensor
     (a row handed out as the caller's own, :meth:`Front.owned`) is cloned; anything else is
     shared (host rows and scores are copied by their callers)."""
-    if isinstance(result, torch.Tensor) and result.device.type != "cpu":
+    if isinstance(result, torch.Tensor) and not result.is_cpu:
         return result.clone()
     return result

@@ -142,8 +142,11 @@ class ContextChecker:
     def _remember(self, h: int, ids: tuple) -> None:
         seen = self._seen
         # a validated tuple holds exact ints only: untracked now, no collection walks it
-        seen[h] = untrack_ids(ids)
-        self._touch(h)
+        if h in seen:  # (another context of this hash: replaced, and now the most recent)
+            seen[h] = untrack_ids(ids)
+            self._touch(h)
+        else:  # (a new key goes last: the most recent already)
+            seen[h] = untrack_ids(ids)
         while len(seen) > self.max_contexts:
             try:
                 seen.popitem(last=False)

@@ -23,6 +23,7 @@ the union of its paths (:func:`.segments.split_segments`).
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 from ...query import Prefill, Query, Score
@@ -114,9 +115,10 @@ def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> l
         paths.append(Path(q.tokens, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node)))
         if n > longest:
             longest = n
-    # two queries with one context (a row and a decoding step of it, or two picks): one path
-    # answers both in plan_batch, so they are planned there
-    if len({(id(p.holder), p.tokens[-1]) for p in paths}) < len(paths):
+    # two queries with one context (a row and a decoding step of it, or two picks) are answered
+    # by one path in plan_batch: planned there (equal contexts have equal hashes; a mere hash
+    # collision only sends the step there too)
+    if len({q.tokens_hash for q in queries}) < len(queries):
         return None
     if budget.working_set(1, longest, 1) > budget.max_bytes:
         return None  # (the longest is answered in pieces)
@@ -230,7 +232,17 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
     (it is forwarded alone). Decode steps (one new token each) share one forward up to the
     limits, however long their contexts.
     """
-    order = sorted(paths, key=lambda r: r.n_new, reverse=True)
+    order = sorted(paths, key=_n_new, reverse=True)
+    # the whole batch in one forward when it fits (a decode step, mostly): the loop below
+    # would make the same single group (its padding and byte tests only grow with the group)
+    size, longest = len(order), order[0].n_new if order else 0
+    padded = size * longest
+    if order and padded <= max_tokens:
+        waste = padded - sum(map(_n_new, order))
+        past = max(map(_cached, order))
+        if (waste <= max(FORWARD_COST_TOKENS, padded // 16)
+                and padded * (past + longest) * score_bytes_per_key <= max_bytes):
+            return [order]
     groups: list[list[Path]] = []
     group: list[Path] = []
     longest = real = 0
@@ -254,6 +266,10 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
     if group:
         groups.append(group)
     return groups
+
+
+_n_new = operator.attrgetter("n_new")
+_cached = operator.attrgetter("cached")
 
 
 class ForwardBudget:

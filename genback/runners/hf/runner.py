@@ -182,14 +182,19 @@ class HFRunner:
 
     def run(self, queries: Sequence[Query]) -> list:
         """One result per query (see :mod:`genback.query`), or the exception that fails only it."""
-        by_adapter: dict = {}
-        for i, q in enumerate(queries):
-            by_adapter.setdefault(q.adapter, []).append(i)
         results: list = [None] * len(queries)
+        if len({q.adapter for q in queries}) == 1:  # (mostly: one adapter, or the base model)
+            by_adapter = {queries[0].adapter: range(len(queries))}
+        else:
+            by_adapter = {}
+            for i, q in enumerate(queries):
+                by_adapter.setdefault(q.adapter, []).append(i)
         try:
             for adapter, indices in by_adapter.items():  # one adapter's queries at a time
                 self.lora.activate(adapter)
-                for i, out in zip(indices, self._answer([queries[i] for i in indices])):
+                batch = (queries if len(indices) == len(queries)
+                         else [queries[i] for i in indices])
+                for i, out in zip(indices, self._answer(batch)):
                     results[i] = out
         finally:
             self._evict()

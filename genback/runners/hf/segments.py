@@ -141,8 +141,11 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
     seg_slots, ks, end_pos, parent = [], [], [], []
     ends = []
     for p in paths:
-        cached = p.cached
-        node, k = holder_end(p.holder, cached)
+        cached, node = p.cached, p.holder
+        if node is not None and node.depth == cached and node.parent is not None:
+            k = len(node.edge)  # (a decode step: the prefix ends at its holder's end)
+        else:
+            node, k = holder_end(node, cached)
         if node is None:
             ends.append(-1)
             continue
