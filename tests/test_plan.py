@@ -373,3 +373,13 @@ def test_group_paths_agrees_with_its_rule_path_by_path(shapes, max_tokens, max_b
     got = group_paths(paths, max_tokens, max_bytes, score_bytes)
     want = _grouped_by_the_rule(paths, max_tokens, max_bytes, score_bytes)
     assert [[id(p) for p in g] for g in got] == [[id(p) for p in g] for g in want]
+
+
+def test_a_paths_match_is_set_once():
+    tree = _tree_with(tuple(range(100, 110)))
+    plan = plan_batch([NextToken(tuple(range(100, 112)))],
+                      lambda q, limit: tree.match(q.tokens, limit))
+    (path,), = plan
+    assert path.cached == 10 and path.n_new == 2
+    with pytest.raises(RuntimeError, match="set once"):
+        path.matched(0, tree.root)

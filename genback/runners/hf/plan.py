@@ -50,9 +50,13 @@ class Path:
     """A token sequence one forward extends: the tree's path down to ``holder`` (the node
     ``KVTree.match`` ended in, held by the runner while the path is in use) holds the KV of
     ``tokens[:cached]``; the forward computes ``tokens[cached:]`` and the logits ``outputs``
-    need. ``limit``: how far its cached prefix may reach (its first needed position). ``holder
-    is None`` until matched (paths after a prefill level). ``n_new``: ``len(tokens) - cached``,
-    kept with the match: change the match only with :meth:`matched`."""
+    need. ``limit``: how far its cached prefix may reach (its first needed position).
+
+    A plan's paths are not changed once planned, but for their match, which is set once: by
+    the planner (``match`` here, or :meth:`matched`), or, for a path after a prefill level or a
+    piece of a query too large for one forward, by the runner when its level runs (the KV
+    before it is in the tree by then). ``holder is None`` until matched. ``n_new``:
+    ``len(tokens) - cached``, kept with the match."""
 
     __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder", "n_new")
 
@@ -66,9 +70,15 @@ class Path:
         self.n_new = len(tokens) - self.cached  # (as matched() keeps it)
 
     def matched(self, cached: int, holder) -> None:
-        """Set the match: the tree's path down to ``holder`` holds ``tokens[:cached]`` (``n_new``,
-        the tokens the forward computes, is kept with it: the planner and the forward read it
-        several times per path)."""
+        """Set the match: the tree's path down to ``holder`` (a node, the root included)
+        holds ``tokens[:cached]`` (``n_new``, the tokens the forward computes, is kept with it:
+        the planner and the forward read it several times per path).
+
+        Raises:
+            RuntimeError: the path is matched already (a match is set once).
+        """
+        if self.holder is not None:
+            raise RuntimeError(f"{self!r} is matched already; a path's match is set once")
         self.cached, self.holder = cached, holder
         self.n_new = len(self.tokens) - cached
 
@@ -81,6 +91,12 @@ class Path:
     def __repr__(self) -> str:
         return (f"Path({len(self.tokens)} tokens, cached={self.cached}, limit={self.limit}, "
                 f"outputs={[(o.index, o.end) for o in self.outputs]})")
+
+
+def query_path(q: Query, index: int = 0) -> Path:
+    """The path that answers ``q`` alone (index ``index`` of its batch), not matched yet."""
+    n = len(q.tokens)
+    return Path(q.tokens, q.adapter, n - q.n_outputs, [Output(index, q, n)])
 
 
 def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> list[Path] | None:
@@ -151,11 +167,13 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
         m = match(q, limit)
         groups.setdefault(id(m[2]) if m[1] else None, []).append((i, q, limit, m))
     paths: list[Path] = []
+    matches: list = []  # each path's match (set once planning is over: see below)
     shared: set = set()
     for members in groups.values():
         if len(members) == 1:  # (most groups in an SMC step: each particle's own leaf)
             i, q, limit, m = members[0]
-            paths.append(Path(q.tokens, q.adapter, limit, [Output(i, q, len(q.tokens))], m))
+            paths.append(Path(q.tokens, q.adapter, limit, [Output(i, q, len(q.tokens))]))
+            matches.append(m)
             continue
         base = min(m[1] for _, _, _, m in members)
         members.sort(key=lambda e: e[1].tokens[base:])  # a prefix sorts right before extensions
@@ -171,19 +189,20 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
                 if len(nxt) >= len(q.tokens) and nxt[base:len(q.tokens)] == q.tokens[base:]:
                     continue  # answered by the path of an extension of it (the next leaf)
             leaves.append(Path(q.tokens, q.adapter, min(
-                o.end - o.query.n_outputs for o in pending), pending, first))
+                o.end - o.query.n_outputs for o in pending), pending))
+            matches.append(first)
             pending, first = [], None
         if len(leaves) > 1:
             _shared_prefixes(leaves, base, min_gain, shared)
         paths.extend(leaves)
-    if not shared:
-        return [paths]
-    for p in paths:  # prefills commit KV first: match these paths when their level runs
-        p.matched(0, None)
-    adapter = queries[0].adapter
-    levels = [[Path(prefix, adapter, len(prefix), []) for prefix in level]
-              for level in nesting_levels(sorted(shared))]
-    return levels + [paths]
+    if shared:  # prefills commit KV first: every path is matched when its level runs
+        adapter = queries[0].adapter
+        levels = [[Path(prefix, adapter, len(prefix), []) for prefix in level]
+                  for level in nesting_levels(sorted(shared))]
+        return levels + [paths]
+    for p, m in zip(paths, matches):
+        p.matched(m[1], m[2])
+    return [paths]
 
 
 def _shared_prefixes(leaves: list[Path], cached: int, min_gain: int, found: set) -> None:
@@ -285,6 +304,17 @@ class ForwardBudget:
         queries over ``length`` keys (materialised by the masked kernels), plus the logits of
         ``n_outputs`` positions."""
         return n_new * length * self.score_bytes + n_outputs * self.logit_bytes
+
+    def piece_paths(self, q: Query, cached: Callable[[Query, int], int]) -> list[Path] | None:
+        """:meth:`pieces` as the paths that run them, one forward each, in order (matched when
+        each runs: the KV of the pieces before it is in the tree by then); the only output of
+        path ``k`` is piece ``k``, as ``Output(k, piece, len(piece.tokens))``.
+
+        Raises:
+            ValueError: as :meth:`pieces`.
+        """
+        pieces = self.pieces(q, cached)
+        return None if pieces is None else [query_path(p, k) for k, p in enumerate(pieces)]
 
     def pieces(self, q: Query, cached: Callable[[Query, int], int]) -> list[Query] | None:
         """None when ``q`` fits in one forward, else the queries that answer it in forwards

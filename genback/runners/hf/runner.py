@@ -27,7 +27,8 @@ from .kvtree import KVTree
 from .lora import LoraAdapters
 from .kv_pool import CachedNode, KVPool
 from .picture import draw
-from .plan import ForwardBudget, Output, Path, group_paths, plan_batch, plan_step
+from .plan import (ForwardBudget, Output, Path, group_paths, plan_batch, plan_step,
+                   query_path)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -212,8 +213,8 @@ class HFRunner:
             return results
         fit = []
         for i, q in enumerate(queries):
-            try:
-                pieces = self.budget.pieces(q, self._cached)
+            try:  # (planned just before they run: a later query may reuse their KV)
+                pieces = self.budget.piece_paths(q, self._cached)
             except ValueError as exc:  # fails alone; the others go on
                 results[i] = exc
                 continue
@@ -239,20 +240,17 @@ class HFRunner:
         return self.tree.match(q.tokens, limit, touch=False, adapter=q.adapter,
                                parent=q.parent, segments=False)[1]
 
-    def _run_pieces(self, q: Query, pieces: list[Query]):
-        """Run ``pieces`` (:meth:`.plan.ForwardBudget.pieces`) one forward each; return ``q``'s
-        result (the target slices' log-probs, and greedy flags, joined in order)."""
+    def _run_pieces(self, q: Query, paths: list[Path]):
+        """Run the paths of ``q``'s pieces (:meth:`.plan.ForwardBudget.piece_paths`) one
+        forward each, in order; return ``q``'s result (the target slices' log-probs, and greedy
+        flags, joined in order)."""
         parts = []
-        for piece in pieces:
-            match = self.tree.match(piece.tokens, len(piece.tokens) - piece.n_outputs,
-                                    adapter=piece.adapter)
-            path = Path(piece.tokens, piece.adapter, len(piece.tokens) - piece.n_outputs,
-                        [Output(0, piece, len(piece.tokens))], match)
+        for path in paths:
             (_, value), = self._execute([path])
             parts.append(value)
         if not isinstance(q, Score):
             return parts[-1]
-        parts = [p for p, piece in zip(parts, pieces) if isinstance(piece, Score)]
+        parts = [v for v, path in zip(parts, paths) if isinstance(path.outputs[0].query, Score)]
         if q.greedy:
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         return torch.cat(parts)
@@ -292,7 +290,8 @@ class HFRunner:
         try:
             self.lora.activate(adapter)
             query = Prefill(tokens, adapter)
-            self._run_pieces(query, self.budget.pieces(query, self._cached) or [query])
+            self._run_pieces(query, self.budget.piece_paths(query, self._cached)
+                             or [query_path(query)])
             if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
                 self.tree.insert(tokens, len(tokens), np.empty(0, dtype=np.int64), adapter)
             self.tree.pin(tokens, adapter)
