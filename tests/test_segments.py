@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from genback.runners.hf.kv_pool import KVPool
 from genback.runners.hf.kvtree import KVTree
 from genback.runners.hf.plan import Path
-from genback.runners.hf.segments import prefix_segments, split_segments
+from genback.runners.hf.segments import SegmentTable, prefix_segments, split_segments
 
 
 def _kv(tokens: tuple, start: int) -> torch.Tensor:
@@ -138,3 +138,26 @@ def test_touch_all_keeps_parents_more_recent_than_their_descendants():
     assert ends[0].parent.edge == (2,) and ends[4].parent is ends[0]  # ((1, 5) split (1, 2))
     assert set(order[-len(touched):]) == touched
     assert order[0] in (ends[5], ends[1], ends[2])
+
+
+def test_the_worked_example_of_split_segments():
+    """The three-path tree of split_segments' docstring, its shared level and its slot rows."""
+    tree = KVTree(1 << 30)
+    x = tuple(range(1000, 1100))
+    tree.insert(x, 0, np.arange(1, 101))
+    a = tree.insert(x + (1,), 100, np.array([101]))
+    b = tree.insert(x + (2,), 100, np.array([102]))
+    c = tree.insert(x + (2, 3), 101, np.array([103]))
+    paths = []
+    for leaf in (a, b, c):
+        tokens = x + ((1,) if leaf is a else (2,) if leaf is b else (2, 3)) + (9,)
+        paths.append(Path(tokens, None, leaf.depth, [], (None, leaf.depth, leaf)))
+    table = SegmentTable.of(paths)  # entries A, X, B, C
+    assert [int(s[0]) for s in table.slots] == [101, 1, 102, 103]
+    assert table.chains().tolist() == [[-1, 1, 0], [-1, 1, 2], [1, 2, 3]]
+    shared, private = split_segments(paths, 64)
+    (slots, rows), = shared
+    assert slots.tolist() == list(range(1, 101)) and rows == [0, 1, 2]
+    layout, pads = private.layout(np.array([[20], [21], [22]]))
+    assert layout.tolist() == [[0, 101, 20], [0, 102, 21], [102, 103, 22]]
+    assert pads.tolist() == [1, 1, 0]

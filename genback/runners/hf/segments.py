@@ -6,8 +6,8 @@ match ended in; the last segment may be the first ``k`` tokens of that node's ed
 SMC steps with resampling, each path's chain holds a node per branch point of the particles'
 genealogy, about one per three steps at 256 particles (measured with ``bench_host.py``): work per
 segment of each path would grow with the generation in Python. So the chains are merged into
-their *union* (each node visited once per forward, by walking up from each holder until a node
-already seen: O(distinct nodes), about two per path in a step) and everything per path and
+their *union* (:class:`SegmentTable`: each node visited once per forward, by walking up from
+each holder until a node already seen: O(distinct nodes), about two per path in a step) and everything per path and
 segment is done by NumPy over the union: the count of paths through each segment, the pointer
 chase that lists each path's segments, and the layout of the private pasts' pool slots
 (:meth:`PrivatePasts.layout`).
@@ -116,6 +116,84 @@ class PrivatePasts:
         return slots, pads
 
 
+class SegmentTable:
+    """The union of a forward's paths' cached prefixes: each distinct segment once, as columns
+    (one entry per segment: the struct-of-arrays layout NumPy reads without a loop).
+
+    Built by one walk (:meth:`of`): from each path's holder up to the first segment already in
+    the table (or the root), so the work is per distinct segment, not per segment of each path.
+
+    Attributes:
+        slots: each segment's pool slots, ``int64 [length]`` (a node's ``slots``, or their first
+            ``k`` where a path's prefix ends inside an edge).
+        lengths: each segment's token count.
+        ends: each segment's end position in its paths (tokens from the root to its end).
+        parents: each segment's parent segment in the table, -1 at the root.
+        last: each path's last segment, -1 for a path with nothing cached.
+    """
+
+    __slots__ = ("slots", "lengths", "ends", "parents", "last")
+
+    def __init__(self):
+        self.slots: list = []
+        self.lengths: list[int] = []
+        self.ends: list[int] = []
+        self.parents: list[int] = []
+        self.last: list[int] = []
+
+    @classmethod
+    def of(cls, paths: list) -> "SegmentTable":
+        """The table of matched paths (``holder`` and ``cached`` set)."""
+        table = cls()
+        index: dict = {}  # a node (its whole edge) or (node, k) -> its entry
+        slots, lengths, ends, parents = table.slots, table.lengths, table.ends, table.parents
+
+        def add(seg, length: int, end: int) -> int:  # a new entry (its parent: -1 until known)
+            slots.append(seg)
+            lengths.append(length)
+            ends.append(end)
+            parents.append(-1)
+            return len(parents) - 1
+
+        for p in paths:
+            cached, node = p.cached, p.holder
+            if node is not None and node.depth == cached and node.parent is not None:
+                k = len(node.edge)  # (a decode step: the prefix ends at its holder's end)
+            else:
+                node, k = holder_end(node, cached)
+            if node is None:
+                table.last.append(-1)
+                continue
+            key = node if k == len(node.edge) else (node, k)
+            s = index.get(key)
+            if s is None:
+                s = index[key] = add(node.slots if key is node else node.slots[:k], k, cached)
+                child, up = s, node.parent
+                while up.parent is not None:  # up to the first entry known already (or the root)
+                    t = index.get(up)
+                    if t is not None:
+                        parents[child] = t
+                        break
+                    t = index[up] = add(up.slots, len(up.edge), up.depth)
+                    parents[child] = t
+                    child, up = t, up.parent
+            table.last.append(s)
+        return table
+
+    def chains(self) -> np.ndarray:
+        """``int64 [R, D]``: each path's segments from the root down (entries of the table),
+        right-aligned, -1 left of a shorter chain: one pointer chase over all paths at once."""
+        parent = np.array(self.parents + [-1], dtype=np.int64)  # (index -1: above the root)
+        cur = np.array(self.last, dtype=np.int64)
+        levels = []
+        while len(cur) and (cur >= 0).any():
+            levels.append(cur)
+            cur = parent[cur]
+        if not levels:
+            return np.full((len(self.last), 0), -1, dtype=np.int64)
+        return np.stack(levels[::-1], axis=1)
+
+
 def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = False
                    ) -> tuple[list, PrivatePasts]:
     """Decide which cached segments a forward attends to once for all paths below them.
@@ -127,6 +205,17 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
     decoding steps leave among resampled particles: ~5 segments per forward instead of 1, 1.10x
     the decode time of 256 particles over a 100-token prompt on SmolLM2, measured.)
 
+    Worked example: three paths a, b, c over ``root -[t0..t99]-> X -[t100]-> A`` and ``X
+    -[t100']-> B -[t101]-> C`` (X's slots ``1..100``, A's ``[101]``, B's ``[102]``, C's
+    ``[103]``), each matched to its leaf (a to A, b to B, c to C). The table (:class:`SegmentTable`)
+    holds A, X, B, C (entries 0-3; X once), the chains are ``[[-1, 1, 0], [-1, 1, 2], [1, 2,
+    3]]`` (a: X, A; b: X, B; c: X, B, C), so X is on three paths and B on two. With
+    ``min_shared_tokens=64``, X (100 tokens) is shared: ``shared == [(X's slots, [0, 1, 2])]``,
+    read once for all three; B (1 token) is not, so it is laid out in both b's and c's rows:
+    the private chains are a: ``[A]``, b: ``[B]``, c: ``[B, C]`` and, with one new token each in
+    slots 20, 21, 22, :meth:`PrivatePasts.layout` gives the slot rows ``[[0, 101, 20], [0, 102,
+    21], [102, 103, 22]]`` (left-padded with the dummy slot 0).
+
     Args:
         paths: matched :class:`.plan.Path` s (``holder`` and ``cached`` set).
         shared_by_all: share only the segments on every path (the prefix all paths have in
@@ -136,71 +225,25 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
         ``(shared, private)``: ``shared`` a list of ``(slots, path indices)``, root side first;
         ``private`` the :class:`PrivatePasts` of the other segments.
     """
-    # -- the union of the paths' chains: one slot per distinct segment ------------------------
-    slot_of: dict = {}  # a node (its whole edge) or (node, k) -> slot
-    seg_slots, ks, end_pos, parent = [], [], [], []
-    ends = []
-    for p in paths:
-        cached, node = p.cached, p.holder
-        if node is not None and node.depth == cached and node.parent is not None:
-            k = len(node.edge)  # (a decode step: the prefix ends at its holder's end)
-        else:
-            node, k = holder_end(node, cached)
-        if node is None:
-            ends.append(-1)
-            continue
-        key = node if k == len(node.edge) else (node, k)
-        s = slot_of.get(key)
-        if s is None:
-            s = slot_of[key] = len(ks)
-            seg_slots.append(node.slots if key is node else node.slots[:k])
-            ks.append(k)
-            end_pos.append(cached)
-            parent.append(-1)
-            child, up = s, node.parent
-            while up.parent is not None:  # up to the first slot known already (or the root)
-                t = slot_of.get(up)
-                if t is not None:
-                    parent[child] = t
-                    break
-                t = slot_of[up] = len(ks)
-                seg_slots.append(up.slots)
-                ks.append(len(up.edge))
-                end_pos.append(up.depth)
-                parent.append(-1)
-                parent[child] = t
-                child, up = t, up.parent
-        ends.append(s)
-    S = len(ks)
-    k_np = np.array(ks, dtype=np.int64)
-
-    # -- each path's slots, root side first: a pointer chase over all paths at once ----------
-    parent_ext = np.array(parent + [-1], dtype=np.int64)  # (index -1: above the root)
-    cur = np.array(ends, dtype=np.int64)
-    levels = []
-    while len(cur) and (cur >= 0).any():
-        levels.append(cur)
-        cur = parent_ext[cur]
-    slots = (np.stack(levels[::-1], axis=1) if levels  # -1 left of a shorter path's root
-             else np.full((len(paths), 0), -1, dtype=np.int64))
-
-    # -- shared: used by >= 2 paths and long enough; root side first (by end position) --------
-    count = np.bincount(slots[slots >= 0], minlength=S)
-    if shared_by_all:
-        is_shared = (count == len(paths)) & (k_np >= min_shared_tokens)
-    else:
-        is_shared = (count >= 2) & (k_np >= min_shared_tokens)
+    table = SegmentTable.of(paths)
+    chains = table.chains()
+    S = len(table.lengths)
+    lengths = np.array(table.lengths, dtype=np.int64)
+    # -- shared: used by >= 2 paths (or all) and long enough; root side first (by end) --------
+    count = np.bincount(chains[chains >= 0], minlength=S)
+    enough = count == len(paths) if shared_by_all else count >= 2
+    is_shared = enough & (lengths >= min_shared_tokens)
     shared = []
     if is_shared.any():
-        shared_slots = np.flatnonzero(is_shared)
-        shared_slots = shared_slots[np.argsort(np.array(end_pos)[shared_slots], kind="stable")]
-        for s in shared_slots.tolist():
-            shared.append((seg_slots[s], np.flatnonzero((slots == s).any(axis=1)).tolist()))
-        private_slots = np.flatnonzero(~is_shared).tolist()
+        shared_at = np.flatnonzero(is_shared)
+        shared_at = shared_at[np.argsort(np.array(table.ends)[shared_at], kind="stable")]
+        for s in shared_at.tolist():
+            shared.append((table.slots[s], np.flatnonzero((chains == s).any(axis=1)).tolist()))
+        private_at = np.flatnonzero(~is_shared).tolist()
+        segs = [table.slots[s] for s in private_at]
     else:
-        private_slots = list(range(S))
-    segs = [seg_slots[s] for s in private_slots] if len(private_slots) < S else seg_slots
-    private_of = np.full(S + 1, -1, dtype=np.int64)  # slot -> index into segs (last: no slot)
-    private_of[private_slots] = np.arange(len(segs))
-    chains = private_of[slots]  # (a shared segment leaves a -1 hole)
-    return shared, PrivatePasts(segs, k_np[private_slots], chains)
+        private_at, segs = list(range(S)), table.slots
+    # -- private: the other segments, renumbered; a shared one leaves a -1 hole in a chain -----
+    renumber = np.full(S + 1, -1, dtype=np.int64)  # (the last entry: -1 stays -1)
+    renumber[private_at] = np.arange(len(private_at))
+    return shared, PrivatePasts(segs, lengths[private_at], renumber[chains])
