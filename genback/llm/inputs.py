@@ -5,11 +5,13 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 import torch
 
 from ..heap import untrack_ids
+from ..identity import same_items
 from ..query import HASH_TAIL, context_hash
 
 
@@ -105,27 +107,33 @@ class ContextChecker:
         and, when ``ids`` extends a remembered context by one token, that context's validated
         tuple (``parent == ids[:-1]``, compared here; else None).
 
+        A list or tuple that holds the very int objects of a remembered context (an SMC
+        program's ``context + [token]``) is compared by identity in C
+        (:func:`genback.identity.same_items`, no reference count touched); otherwise by value.
+
         Raises:
             TypeError / ValueError: as :func:`check_token_ids`.
         """
         kind = type(token_ids)
-        if kind is list or kind is tuple:
-            ids = token_ids if kind is tuple else tuple(token_ids)
+        if (kind is list or kind is tuple) and token_ids:
             try:
-                h = context_hash(ids)
+                n = len(token_ids)
+                # context_hash of the context, without copying it
+                h = hash((n, tuple(token_ids[-HASH_TAIL:]) if kind is list
+                          else token_ids[-HASH_TAIL:]))
                 hit = self._seen.get(h)
-                if hit is not None and hit == ids:  # (C: identical ints compare by identity)
+                if hit is not None and len(hit) == n and _equal(token_ids, hit, n):
                     self._touch(h)
                     return hit, h, None
-                last = ids[-1] if ids else None
+                last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
-                    # context_hash(ids[:-1]) without copying the context
-                    parent = self._seen.get(hash((len(ids) - 1, ids[-HASH_TAIL - 1:-1])))
-                    if parent is not None and len(parent) == len(ids) - 1:
-                        hit = parent + (last,)
-                        if hit == ids:  # the caller's context is a validated one plus `last`
-                            self._remember(h, hit)
-                            return hit, h, parent
+                    head = token_ids[-HASH_TAIL - 1:-1]  # (context_hash of ids[:-1])
+                    parent = self._seen.get(hash((n - 1, tuple(head) if kind is list else head)))
+                    if (parent is not None and len(parent) == n - 1
+                            and _equal(token_ids, parent, n - 1)):
+                        hit = parent + (last,)  # the caller's context: a validated one + last
+                        self._remember(h, hit)
+                        return hit, h, parent
             except TypeError:  # an unhashable element: the full check names it
                 pass
         ids = check_token_ids(token_ids, self.vocab_size, name)
@@ -155,6 +163,15 @@ class ContextChecker:
 
     def clear(self) -> None:
         self._seen.clear()
+
+
+def _equal(seq, validated: tuple, n: int) -> bool:
+    """``seq[:n] == validated`` for a list or tuple ``seq`` (``len(validated) == n``): by
+    identity in C when it holds the very objects (:func:`genback.identity.same_items`), else by
+    value (equal ints, or numbers equal to them, as tuple comparison has it)."""
+    if same_items(seq, validated, n):
+        return True
+    return tuple(islice(seq, n)) == validated
 
 
 def check_positive_int(value, name: str) -> int:

@@ -1,0 +1,69 @@
+"""genback.identity.same_items against Python's own comparisons, and the context checker's two
+ways of matching a remembered context (identity in C, then values) giving the same answers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from genback import identity
+from genback.identity import same_items
+from genback.llm.inputs import ContextChecker
+
+
+def test_it_is_available_on_this_interpreter():
+    # CI and the development machine run CPython with the GIL: the fast path must be on there
+    assert identity.AVAILABLE
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=30), st.lists(st.integers(0, 3), max_size=30),
+       st.booleans(), st.data())
+def test_same_items_agrees_with_identity_item_by_item(a, b, as_list, data):
+    pool = [object() for _ in range(4)]  # four distinct objects, compared by identity only
+    seq = [pool[i] for i in a]
+    tup = tuple(pool[i] for i in b)
+    n = data.draw(st.integers(0, min(len(seq), len(tup))))
+    seq = seq if as_list else tuple(seq)
+    assert same_items(seq, tup, n) == all(x is y for x, y in zip(seq[:n], tup[:n]))
+
+
+def test_equal_but_distinct_objects_are_not_the_same_items():
+    big = [10**12 + i for i in range(40)]
+    copies = [int(str(x)) for x in big]  # equal values, new objects
+    assert copies == big and not same_items(copies, tuple(big), 40)
+    assert same_items(list(big), tuple(big), 40)
+    assert not same_items(iter(big), tuple(big), 0)  # only lists and tuples
+
+
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild):
+    """An SMC step's context: its parent's very ints plus one (identity), or the same values as
+    new int objects (``tolist()`` each step: values); the same validated answer either way."""
+    check = ContextChecker(vocab_size=50_000)
+    ctx = [40_000 + i for i in range(300)]  # beyond the small-int cache: distinct objects
+    parent, _, _ = check.check(ctx)
+    step = [int(str(t)) for t in ctx] + [7] if rebuild else ctx + [7]
+    ids, h, got_parent = check.check(step)
+    assert got_parent is parent and ids == parent + (7,) and ids[:-1] is not step
+    # the same context again: the remembered tuple itself
+    again, _, none = check.check(list(step))
+    assert again is ids and none is None
+    # a context that differs from the parent in the middle is not its extension
+    other = list(ctx)
+    other[150] = 3
+    ids2, _, p2 = check.check(other + [7])
+    assert p2 is None and ids2[150] == 3 and ids2 != ids
+
+
+def test_a_mutated_list_is_checked_again():
+    check = ContextChecker(vocab_size=100)
+    ctx = list(range(60))
+    first = check(ctx)
+    ctx[10] = 99  # the caller reuses its list
+    second = check(ctx)
+    assert second[10] == 99 and first[10] == 10
+    with pytest.raises(ValueError, match=r"token_ids\[10\] = 100"):
+        ctx[10] = 100
+        check(ctx)
