@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from genback import identity
 from genback.identity import same_items
-from genback.llm.inputs import ContextChecker
+from genback.llm import inputs
+from genback.llm.inputs import IDENTITY_MIN, ContextChecker
 
 
 def test_it_is_available_on_this_interpreter():
@@ -38,15 +39,23 @@ def test_equal_but_distinct_objects_are_not_the_same_items():
 
 
 @pytest.mark.parametrize("rebuild", [False, True])
-def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild):
+def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild, monkeypatch):
     """An SMC step's context: its parent's very ints plus one (identity), or the same values as
     new int objects (``tolist()`` each step: values); the same validated answer either way."""
+    answers = []
+
+    def spy(seq, tup, n):
+        answers.append(same_items(seq, tup, n))
+        return answers[-1]
+
+    monkeypatch.setattr(inputs, "same_items", spy)
     check = ContextChecker(vocab_size=50_000)
     ctx = [40_000 + i for i in range(300)]  # beyond the small-int cache: distinct objects
     parent, _, _ = check.check(ctx)
     step = [int(str(t)) for t in ctx] + [7] if rebuild else ctx + [7]
     ids, h, got_parent = check.check(step)
     assert got_parent is parent and ids == parent + (7,) and ids[:-1] is not step
+    assert answers == [not rebuild]  # compared by identity (or, after a miss, by value)
     # the same context again: the remembered tuple itself
     again, _, none = check.check(list(step))
     assert again is ids and none is None
@@ -67,3 +76,11 @@ def test_a_mutated_list_is_checked_again():
     with pytest.raises(ValueError, match=r"token_ids\[10\] = 100"):
         ctx[10] = 100
         check(ctx)
+
+
+def test_short_contexts_are_compared_by_value(monkeypatch):
+    monkeypatch.setattr(inputs, "same_items", lambda *a: pytest.fail("identity for a short one"))
+    check = ContextChecker(vocab_size=100)
+    ctx = [i % 100 for i in range(IDENTITY_MIN - 2)]
+    parent = check(ctx)
+    assert check.check(ctx + [5])[2] is parent and check(ctx) is parent

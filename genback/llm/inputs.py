@@ -5,7 +5,6 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import islice
 
 import numpy as np
 import torch
@@ -66,6 +65,12 @@ def check_token_ids(
     return ids
 
 
+# contexts of at least this many tokens are compared with a validated tuple by identity first
+# (genback.identity.same_items, ~0.6 us whatever the length); shorter ones by value, which
+# costs less than that below ~300 tokens (measured on this project's CPU, hot caches)
+IDENTITY_MIN = 256
+
+
 class ContextChecker:
     """:func:`check_token_ids` for contexts, with a memory of the contexts it validated.
 
@@ -118,22 +123,32 @@ class ContextChecker:
         if (kind is list or kind is tuple) and token_ids:
             try:
                 n = len(token_ids)
+                ids = token_ids if kind is tuple else None  # (a tuple copy: made if needed)
                 # context_hash of the context, without copying it
                 h = hash((n, tuple(token_ids[-HASH_TAIL:]) if kind is list
                           else token_ids[-HASH_TAIL:]))
                 hit = self._seen.get(h)
-                if hit is not None and len(hit) == n and _equal(token_ids, hit, n):
-                    self._touch(h)
-                    return hit, h, None
+                if hit is not None and len(hit) == n:
+                    same = n >= IDENTITY_MIN and same_items(token_ids, hit, n)
+                    if not same:
+                        ids = ids or tuple(token_ids)
+                        same = hit == ids
+                    if same:
+                        self._touch(h)
+                        return hit, h, None
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
                     head = token_ids[-HASH_TAIL - 1:-1]  # (context_hash of ids[:-1])
                     parent = self._seen.get(hash((n - 1, tuple(head) if kind is list else head)))
-                    if (parent is not None and len(parent) == n - 1
-                            and _equal(token_ids, parent, n - 1)):
-                        hit = parent + (last,)  # the caller's context: a validated one + last
-                        self._remember(h, hit)
-                        return hit, h, parent
+                    if parent is not None and len(parent) == n - 1:
+                        hit = parent + (last,)  # the caller's context, if it extends parent
+                        same = n > IDENTITY_MIN and same_items(token_ids, parent, n - 1)
+                        if not same:
+                            ids = ids or tuple(token_ids)
+                            same = hit == ids
+                        if same:
+                            self._remember(h, hit)
+                            return hit, h, parent
             except TypeError:  # an unhashable element: the full check names it
                 pass
         ids = check_token_ids(token_ids, self.vocab_size, name)
@@ -163,15 +178,6 @@ class ContextChecker:
 
     def clear(self) -> None:
         self._seen.clear()
-
-
-def _equal(seq, validated: tuple, n: int) -> bool:
-    """``seq[:n] == validated`` for a list or tuple ``seq`` (``len(validated) == n``): by
-    identity in C when it holds the very objects (:func:`genback.identity.same_items`), else by
-    value (equal ints, or numbers equal to them, as tuple comparison has it)."""
-    if same_items(seq, validated, n):
-        return True
-    return tuple(islice(seq, n)) == validated
 
 
 def check_positive_int(value, name: str) -> int:
