@@ -11,8 +11,6 @@ model runs with; a batch is computed one adapter at a time (one or more forwards
 
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +19,7 @@ import torch
 from ...query import Prefill, Query, Score
 from ...runner import Capabilities, check_pin_budget
 from . import tree_attention
+from .memory import available_memory_bytes, trim_host_memory
 from .forward import _outputs, dense_forward, tree_forward
 from .decode_step import DecodeStep, is_uniform
 from .kvtree import KVTree
@@ -29,30 +28,6 @@ from .kv_pool import CachedNode, KVPool
 from .picture import draw
 from .plan import (ForwardBudget, Output, Path, group_paths, plan_batch, plan_step,
                    query_path)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory of ``device`` in bytes: CUDA's ``mem_get_info`` free bytes, else the host's
-    ``MemAvailable`` (``/proc/meminfo``), else physical pages x page size."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _trim_host_memory() -> None:
-    """Give freed heap pages back to the OS (glibc keeps them otherwise), so RSS drops after
-    the tree is cleared. A no-op where glibc's ``malloc_trim`` is missing."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _check_device(device) -> torch.device:
@@ -64,20 +39,6 @@ def _check_device(device) -> torch.device:
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"row_device must be a torch device or its name ('cpu', 'cuda:0'), "
                          f"got {device!r}") from exc
-
-
-def tree_attention_support(model) -> str | None:
-    """None when ``model`` can run tree attention, else the reason it cannot (one line)."""
-    config = model.config
-    can_set = getattr(model, "_can_set_attn_implementation", None)
-    if not (can_set() if callable(can_set) else getattr(model, "_supports_attention_backend",
-                                                          False)):
-        return f"{type(model).__name__} does not use transformers' attention interface"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention is not supported by tree attention"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "attention logit soft-capping is not supported by tree attention"
-    return None
 
 
 class HFRunner:
@@ -142,7 +103,7 @@ class HFRunner:
         self.budget = ForwardBudget(
             max_forward_bytes, 4 * getattr(model.config, "num_attention_heads", self.pool.heads),
             4 * int(getattr(model.config, "vocab_size", 0) or 0))
-        reason = tree_attention_support(model)
+        reason = tree_attention.support(model)
         if attention == "tree" and reason:
             raise ValueError(f"attention='tree' is not available for this model: {reason}")
         self.use_tree = attention != "dense" and reason is None
@@ -275,7 +236,7 @@ class HFRunner:
 
     def clear(self, keep_pinned: bool) -> None:
         self.tree.clear(keep_pinned=keep_pinned)  # (frees the pool's slots)
-        _trim_host_memory()
+        trim_host_memory()
 
     def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
         """Compute the KV of ``tokens`` (what is not cached) under ``adapter`` and pin it.
@@ -324,7 +285,7 @@ class HFRunner:
         self.tree.clear()
         if self.decode is not None:
             self.decode.clear()
-        _trim_host_memory()
+        trim_host_memory()
 
     # -- adapters --------------------------------------------------------------------------------
 
@@ -391,7 +352,7 @@ class HFRunner:
         self.tree.ends.rotate()
         self._freed_since_trim += self.tree.evict()
         if self._freed_since_trim >= 64 << 20 and self.device.type == "cpu":
-            _trim_host_memory()
+            trim_host_memory()
             self._freed_since_trim = 0
 
     def _forward(self, group: list[Path]) -> tuple[list, list]:

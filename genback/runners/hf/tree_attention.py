@@ -247,3 +247,17 @@ def use_tree_attention(config, name: str = NAME):
         yield
     finally:
         config._attn_implementation_internal = previous
+
+
+def support(model) -> str | None:
+    """None when ``model`` can run tree attention, else the reason it cannot (one line)."""
+    config = model.config
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if not (can_set() if callable(can_set) else getattr(model, "_supports_attention_backend",
+                                                          False)):
+        return f"{type(model).__name__} does not use transformers' attention interface"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention is not supported by tree attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "attention logit soft-capping is not supported by tree attention"
+    return None
