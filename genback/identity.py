@@ -51,20 +51,16 @@ _read_pointer = ctypes.c_void_p.from_address
 def same_items(seq, tup: tuple, n: int) -> bool:
     """True when the first ``n`` items of ``seq`` (a list or a tuple, exactly) are the very
     objects of ``tup``'s first ``n`` (hence equal); False when they are not, or when that
-    cannot be told this way (then compare values). The caller ensures ``0 <= n <= len(seq)``
-    and ``n <= len(tup)``; other types of ``seq`` give False."""
-    if _memcmp is None:
-        return False
+    cannot be told this way (then compare values): on other types of ``seq``, and when ``n``
+    is negative or longer than either (nothing is read past their items)."""
     kind = type(seq)
-    if kind is list:
-        items = _read_pointer(id(seq) + _HEADER).value
-    elif kind is tuple:
-        items = id(seq) + _HEADER
-    else:
+    if (_memcmp is None or (kind is not list and kind is not tuple) or type(tup) is not tuple
+            or n < 0 or n > len(seq) or n > len(tup)):
         return False
-    if type(tup) is not tuple:
-        return False
-    return n == 0 or _memcmp(items, id(tup) + _HEADER, n * _POINTER) == 0
+    if n == 0:
+        return True
+    items = _read_pointer(id(seq) + _HEADER).value if kind is list else id(seq) + _HEADER
+    return _memcmp(items, id(tup) + _HEADER, n * _POINTER) == 0
 
 
 def _self_test() -> bool:

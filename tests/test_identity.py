@@ -35,7 +35,10 @@ def test_equal_but_distinct_objects_are_not_the_same_items():
     copies = [int(str(x)) for x in big]  # equal values, new objects
     assert copies == big and not same_items(copies, tuple(big), 40)
     assert same_items(list(big), tuple(big), 40)
-    assert not same_items(iter(big), tuple(big), 0)  # only lists and tuples
+    assert not same_items(iter([]), (), 0)  # only lists and tuples
+    # never read past either: a length beyond one of them is a plain False
+    assert not same_items(big, tuple(big), 41) and not same_items(big + [1], tuple(big), 41)
+    assert not same_items(big, tuple(big), -1)
 
 
 @pytest.mark.parametrize("rebuild", [False, True])
