@@ -152,7 +152,11 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     from genback.llm import AsyncTransformer
 
     G.reset_peak(device)
-    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
+    dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
+    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window,
+                          decode=decode.removesuffix("-dense"))
+    if dense:
+        lm.runner.decode.min_prefix = sys.maxsize
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
@@ -346,8 +350,9 @@ def parse(argv):
     ap.add_argument("--no-loop", action="store_true", help="genback only")
     ap.add_argument("--genback", default="auto",
                     help="comma list of AsyncTransformer decode modes to run side by side "
-                         "(auto, graphs, eager, off; default auto); the first is reported as "
-                         "'genback', the others as 'genback[mode]'")
+                         "(auto, graphs, eager, off; graphs-dense / eager-dense: without the "
+                         "cascade's shared level, to find where it pays; default auto); the "
+                         "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: also profile 4 steps per genback run (launches, GPU busy time)")
     ap.add_argument("--json", default=None, help="write the cells (and device facts) here")

