@@ -264,15 +264,16 @@ class Front:
 
     def _compute_owned(self, queries: list[Query]) -> list:
         """:meth:`compute` for the batcher: next-token rows on an accelerator come back as the
-        callers' own copies, made for the whole batch in one copy (a ``clone`` per caller is a
-        kernel launch each: 256-512 of a 256-particle step's ~1,100 launches on an H100,
-        ``benchmarks/RESULTS.md``); the output cache keeps the rows it was given. Rows in host
-        memory are returned as cached: their callers copy them (the same bytes either way)."""
+        callers' own copies, made in blocks of rows (:func:`genback.llm.front.owned_copies`; a
+        ``clone`` per caller is a kernel launch each, 256-512 of a 256-particle step's ~1,100
+        launches on an H100, ``benchmarks/RESULTS.md``); the output cache keeps the rows it was
+        given. Rows in host memory are returned as cached: their callers copy them (the same
+        bytes either way)."""
         results = self.compute(queries)
         at = [i for i, (q, r) in enumerate(zip(queries, results))
               if type(q) is NextToken and isinstance(r, torch.Tensor) and not r.is_cpu]
         if at:
-            for i, row in zip(at, torch.stack([results[i] for i in at]).unbind(0)):
+            for i, row in zip(at, owned_copies([results[i] for i in at])):
                 results[i] = row
         return results
 
@@ -316,6 +317,22 @@ class Front:
         with self.lock:
             self.runner.close()
         self.cache.clear()
+
+
+# the callers' copies of a batch's device rows are made in blocks of at most this many bytes: a
+# row a caller keeps keeps its block alive, so one block per step (256 rows of a 128k vocabulary:
+# 128 MiB) would let a program that keeps one row per step hold 256 times its rows' memory
+OWNED_BLOCK_BYTES = 8 << 20
+
+
+def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of equal-shaped ``rows`` (one device, one dtype), made with one copy per block of
+    at most :data:`OWNED_BLOCK_BYTES` (at least one row each): each copy a view of its block."""
+    per = max(1, OWNED_BLOCK_BYTES // max(1, rows[0].nbytes))
+    out: list[torch.Tensor] = []
+    for a in range(0, len(rows), per):
+        out.extend(torch.stack(rows[a:a + per]).unbind(0))
+    return out
 
 
 def _copy_result(result):
