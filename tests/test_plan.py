@@ -5,6 +5,7 @@ C-level common-prefix helper against brute force; the front's memory of validate
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import numpy as np
@@ -383,3 +384,31 @@ def test_a_paths_match_is_set_once():
     assert path.cached == 10 and path.n_new == 2
     with pytest.raises(RuntimeError, match="set once"):
         path.matched(0, tree.root)
+
+
+async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok, monkeypatch):
+    """An SMC run through the public API (shared prompt, resampling): every step after the
+    prompt is planned by plan_step (no plan_batch, no tree match), one forward per step, and
+    every row equals an uncached forward."""
+    import genback.runners.hf.runner as runner_module
+    from test_llm_tree import _max_err, _smc_trace
+
+    trace = _smc_trace(random.Random(3), 300, 12, 7, 3, 50)  # 300 tokens: the identity check
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    try:
+        await lm.next_token_logprobs(trace[0][0][:-1])  # the prompt: its KV and its note
+        planned, matched = [], []
+        plan = runner_module.plan_batch
+        monkeypatch.setattr(runner_module, "plan_batch",
+                            lambda *a, **k: planned.append(1) or plan(*a, **k))
+        match = lm.runner.tree.match
+        monkeypatch.setattr(lm.runner.tree, "match",
+                            lambda *a, **k: matched.append(1) or match(*a, **k))
+        forwards, worst, refs = lm.forwards, 0.0, {}
+        for contexts in trace:
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            worst = max(worst, _max_err(rows, contexts, lm, refs))
+        assert not planned and not matched
+        assert lm.forwards - forwards == len(trace) and worst <= 1e-5
+    finally:
+        await lm.aclose()
