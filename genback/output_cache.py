@@ -75,10 +75,7 @@ class OutputCache:
                 if move and hasattr(row, "device"):
                     devices[key] = row.device
                     row = row.cpu()
-                old = rows.pop(key, None)
-                if old is not None:
-                    held -= old.nbytes
-                held += 0 if row is None else row.nbytes
+                held += _nbytes(row) - _nbytes(rows.pop(key, None))
                 rows[key] = row
             for _ in range(len(rows) - self.max_entries):  # the least recently used go
                 gone, dropped = rows.popitem(last=False)

@@ -123,30 +123,20 @@ class ContextChecker:
         if (kind is list or kind is tuple) and token_ids:
             try:
                 n = len(token_ids)
-                ids = token_ids if kind is tuple else None  # (a tuple copy: made if needed)
                 # context_hash of the context, without copying it
                 h = hash((n, tuple(token_ids[-HASH_TAIL:]) if kind is list
                           else token_ids[-HASH_TAIL:]))
                 hit = self._seen.get(h)
-                if hit is not None and len(hit) == n:
-                    same = n >= IDENTITY_MIN and same_items(token_ids, hit, n)
-                    if not same:
-                        ids = ids or tuple(token_ids)
-                        same = hit == ids
-                    if same:
-                        self._touch(h)
-                        return hit, h, None
+                if hit is not None and len(hit) == n and _same_context(token_ids, hit, hit):
+                    self._touch(h)
+                    return hit, h, None
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
                     head = token_ids[-HASH_TAIL - 1:-1]  # (context_hash of ids[:-1])
                     parent = self._seen.get(hash((n - 1, tuple(head) if kind is list else head)))
                     if parent is not None and len(parent) == n - 1:
                         hit = parent + (last,)  # the caller's context, if it extends parent
-                        same = n > IDENTITY_MIN and same_items(token_ids, parent, n - 1)
-                        if not same:
-                            ids = ids or tuple(token_ids)
-                            same = hit == ids
-                        if same:
+                        if _same_context(token_ids, hit, parent):
                             self._remember(h, hit)
                             return hit, h, parent
             except TypeError:  # an unhashable element: the full check names it
@@ -178,6 +168,17 @@ class ContextChecker:
 
     def clear(self) -> None:
         self._seen.clear()
+
+
+def _same_context(seq, full: tuple, base: tuple) -> bool:
+    """Whether list or tuple ``seq`` equals ``full``, a validated tuple that starts with
+    ``base`` and ends with ``seq``'s own items: by the identity of ``base``'s items when it is
+    at least :data:`IDENTITY_MIN` long (:func:`genback.identity.same_items`), else, or when the
+    objects differ, by value."""
+    k = len(base)
+    if k >= IDENTITY_MIN and same_items(seq, base, k):
+        return True
+    return full == (seq if type(seq) is tuple else tuple(seq))
 
 
 def check_positive_int(value, name: str) -> int:
