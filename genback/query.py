@@ -7,7 +7,9 @@
 | `Prefill` | only the KV of `tokens` (kept by runners with a KV cache) | None |
 | `Step` | a decoding step: a token chosen after `tokens` on the model's device | `genback.sampling.Choice` |
 
-Every kind has ``tokens`` (a tuple of ints), ``adapter`` (None for the base model, else the runner's
+Every kind has ``tokens`` (a tuple of ints; ``context``, the same ids as given: a tuple, or the
+front's :class:`~genback.context.Context`, whose flat tuple is built only when ``tokens`` is
+read), ``adapter`` (None for the base model, else the runner's
 key of a LoRA adapter: the same tokens under two adapters are two different queries) and
 ``n_outputs`` (how many positions' logits it needs: the last ``n_outputs`` positions of
 ``tokens``). Runners dispatch on the kind once (``match``/``isinstance``).
@@ -23,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .context import Context
     from .sampling import Pick
 
 
@@ -42,12 +45,14 @@ class Query:
     :class:`Step`.
     """
 
-    __slots__ = ("tokens", "adapter", "tokens_hash", "_hash", "parent")
+    __slots__ = ("context", "adapter", "tokens_hash", "_hash", "parent")
     n_outputs = 1
 
-    def __init__(self, tokens: tuple[int, ...], adapter: int | None = None,
-                 _tokens_hash: int | None = None, _parent: tuple | None = None):
-        self.tokens = tokens
+    def __init__(self, tokens: "tuple[int, ...] | Context", adapter: int | None = None,
+                 _tokens_hash: int | None = None, _parent: "tuple | Context | None" = None):
+        # the ids as given: a tuple, or a validated Context (the front's, for a next-token
+        # query: its flat tuple is built only when asked for, see genback.context)
+        self.context = tokens
         self.adapter = adapter
         # a tuple known to equal tokens[:-1] (checked when the context was validated), the very
         # object an earlier query had as its tokens: a runner may find that query's KV by
@@ -56,6 +61,13 @@ class Query:
         # context_hash(tokens): a Step is built with its NextToken's, not hashed again
         self.tokens_hash = context_hash(tokens) if _tokens_hash is None else _tokens_hash
         self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The context's ids as a flat tuple (a :class:`~genback.context.Context`'s is built at
+        the first call, then kept)."""
+        ids = self.context
+        return ids if type(ids) is tuple else ids.tokens
 
     def _extra(self) -> tuple:
         return ()
@@ -67,7 +79,7 @@ class Query:
         return self is other or (
             type(other) is type(self) and self._hash == other._hash
             and self.adapter == other.adapter and self._extra() == other._extra()
-            and (self.tokens is other.tokens or self.tokens == other.tokens))
+            and (self.context is other.context or self.context == other.context))
 
     def __repr__(self) -> str:
         toks = self.tokens if len(self.tokens) <= 8 else (*self.tokens[:4], "...", *self.tokens[-2:])
@@ -86,7 +98,7 @@ class NextToken(Query):
         if self.parent is None:
             return self
         key = object.__new__(NextToken)
-        key.tokens, key.adapter, key.parent = self.tokens, self.adapter, None
+        key.context, key.adapter, key.parent = self.context, self.adapter, None
         key.tokens_hash, key._hash = self.tokens_hash, self._hash
         return key
 

@@ -144,8 +144,9 @@ def _penalise(logits: torch.Tensor, context, pick: Pick) -> torch.Tensor:
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
                                    vals * p.repetition_penalty)
-    generated = context[pick.prompt_length:]
-    if (p.presence_penalty or p.frequency_penalty) and generated:
+    generated = (context[pick.prompt_length:] if p.presence_penalty or p.frequency_penalty
+                 else ())
+    if generated:
         counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=dev),
                                 minlength=V)[:V].float()
         logits -= p.presence_penalty * (counts > 0).float() + p.frequency_penalty * counts

@@ -58,11 +58,13 @@ def test_validated_contexts_are_untracked_by_the_garbage_collector():
 
     checker = ContextChecker(vocab_size=50_000)
     prompt = [1000 + i for i in range(UNTRACK_MIN + 300)]  # ints the interpreter does not cache
-    ids, _, parent = checker.check(list(prompt))  # the full check
-    assert parent is None and not gc.is_tracked(ids) and ids == tuple(prompt)
-    step, _, parent = checker.check(prompt + [7])  # an extension by one token
-    assert parent is ids and not gc.is_tracked(step) and step == (*prompt, 7)
-    assert checker.check(prompt + [7])[0] is step  # seen before: the same tuple back
+    ids, _, parent = checker.check_context(list(prompt))  # the full check
+    assert parent is None and not gc.is_tracked(ids.tokens) and ids == tuple(prompt)
+    step, _, parent = checker.check_context(prompt + [7])  # an extension by one token
+    assert parent is ids and step.base is ids.base and step == (*prompt, 7)
+    assert not gc.is_tracked(step.tokens)  # (its flat tuple, once asked for)
+    assert checker.check_context(prompt + [7])[0] is step  # seen before: the same one back
+    assert checker.check(prompt + [7])[0] is step.tokens  # (as a flat tuple: the same too)
     gc.disable()  # (a collection in between would untrack the short tuple itself)
     try:
         short = tuple(range(1000, 1000 + UNTRACK_MIN - 1))

@@ -54,18 +54,19 @@ def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild, monkeypat
     monkeypatch.setattr(inputs, "same_items", spy)
     check = ContextChecker(vocab_size=50_000)
     ctx = [40_000 + i for i in range(300)]  # beyond the small-int cache: distinct objects
-    parent, _, _ = check.check(ctx)
+    parent, _, _ = check.check_context(ctx)
     step = [int(str(t)) for t in ctx] + [7] if rebuild else ctx + [7]
-    ids, h, got_parent = check.check(step)
-    assert got_parent is parent and ids == parent + (7,) and ids[:-1] is not step
+    ids, h, got_parent = check.check_context(step)
+    assert got_parent is parent and ids == parent.tokens + (7,)
+    assert ids.base is parent.base and ids.tail == (7,)  # (no copy of the context)
     assert answers == [not rebuild]  # compared by identity (or, after a miss, by value)
-    # the same context again: the remembered tuple itself
-    again, _, none = check.check(list(step))
+    # the same context again: the remembered context itself
+    again, _, none = check.check_context(list(step))
     assert again is ids and none is None
     # a context that differs from the parent in the middle is not its extension
     other = list(ctx)
     other[150] = 3
-    ids2, _, p2 = check.check(other + [7])
+    ids2, _, p2 = check.check_context(other + [7])
     assert p2 is None and ids2[150] == 3 and ids2 != ids
 
 
@@ -85,5 +86,6 @@ def test_short_contexts_are_compared_by_value(monkeypatch):
     monkeypatch.setattr(inputs, "same_items", lambda *a: pytest.fail("identity for a short one"))
     check = ContextChecker(vocab_size=100)
     ctx = [i % 100 for i in range(IDENTITY_MIN - 2)]
-    parent = check(ctx)
-    assert check.check(ctx + [5])[2] is parent and check(ctx) is parent
+    parent = check.check_context(ctx)[0]
+    assert check.check_context(ctx + [5])[2] is parent and check.check_context(ctx)[0] is parent
+    assert check(ctx) is parent.tokens

@@ -62,10 +62,10 @@ class Decoding:
         row = front.lookup(query)  # a row already cached is used as it is
         if row is None:
             if front.capabilities.picks:
-                return await front.submit(Step(query.tokens, pick, adapter, query.tokens_hash,
+                return await front.submit(Step(query.context, pick, adapter, query.tokens_hash,
                                                query.parent))
             row = await front.submit(query)
-        return choose(row, query.tokens, pick)
+        return choose(row, query.context, pick)
 
     async def generate_stream(
         self, prompt_token_ids, params: SamplingParams, max_new_tokens: int,

@@ -27,6 +27,7 @@ import threading
 import torch
 
 from ..batcher import Batcher, BatcherClosed, Immediate
+from ..context import Context
 from ..output_cache import OutputCache
 from ..query import NextToken, Query, Score
 from ..runner import Capabilities
@@ -77,28 +78,40 @@ class Front:
     # -- checks ---------------------------------------------------------------------------------
 
     def context(self, token_ids, name: str = "token_ids"
-                ) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
-        """``(ids, context_hash(ids), parent)`` of a checked context (see
+                ) -> tuple[tuple[int, ...], int, Context | None]:
+        """``(ids, context_hash(ids), parent)`` of a checked context, ``ids`` a flat tuple (see
         :meth:`.inputs.ContextChecker.check`).
 
         Raises:
             TypeError / ValueError: bad ids (the message names ``name``), or more tokens than
                 ``max_context_length``.
         """
-        ids, h, parent = self.contexts.check(token_ids, name)
-        if self.max_context_length and len(ids) > self.max_context_length:
-            raise ValueError(f"{name} has {len(ids)} tokens, more than the model's context of "
-                             f"{self.max_context_length}")
-        return ids, h, parent
+        ctx, h, parent = self.checked(token_ids, name)
+        return ctx.tokens, h, parent
 
-    def next_token(self, token_ids, adapter: int | None, name: str = "token_ids") -> NextToken:
-        """The :class:`~genback.query.NextToken` query of a checked context.
+    def checked(self, token_ids, name: str = "token_ids"
+                ) -> tuple[Context, int, Context | None]:
+        """``(context, context_hash(ids), parent)`` of a checked context, as a
+        :class:`~genback.context.Context` (see :meth:`.inputs.ContextChecker.check_context`).
 
         Raises:
             TypeError / ValueError: as :meth:`context`.
         """
-        ids, h, parent = self.context(token_ids, name)
-        return NextToken(ids, adapter, h, parent)
+        ctx, h, parent = self.contexts.check_context(token_ids, name)
+        if self.max_context_length and len(ctx) > self.max_context_length:
+            raise ValueError(f"{name} has {len(ctx)} tokens, more than the model's context of "
+                             f"{self.max_context_length}")
+        return ctx, h, parent
+
+    def next_token(self, token_ids, adapter: int | None, name: str = "token_ids") -> NextToken:
+        """The :class:`~genback.query.NextToken` query of a checked context (its ``context``
+        the front's :class:`~genback.context.Context`: no flat tuple is built for it).
+
+        Raises:
+            TypeError / ValueError: as :meth:`context`.
+        """
+        ctx, h, parent = self.checked(token_ids, name)
+        return NextToken(ctx, adapter, h, parent)
 
     def score(self, context_ids, continuation_ids, greedy: bool, adapter: int | None) -> Score:
         """The :class:`~genback.query.Score` of a continuation after a context. The window counts
@@ -165,7 +178,7 @@ class Front:
             BatcherClosed: the model was closed.
         """
         self.check_open()
-        self.count(len(query.tokens))
+        self.count(len(query.context))
         return self.cache.get(query) if type(query) is NextToken else None
 
     def submit(self, query: Query):
@@ -186,7 +199,7 @@ class Front:
         """
         self.check_open()
         for q in queries:
-            self.count(len(q.tokens))
+            self.count(len(q.context))
         results = self.compute(queries)
         for value in results:
             if isinstance(value, BaseException):

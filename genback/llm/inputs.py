@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ..context import Context
 from ..heap import untrack_ids
 from ..identity import same_items
 from ..query import HASH_TAIL, context_hash
@@ -75,19 +76,22 @@ class ContextChecker:
     """:func:`check_token_ids` for contexts, with a memory of the contexts it validated.
 
     A context equal to one validated recently, or extending one by a single token (an SMC step,
-    a decoding step), is checked in work independent of its length in Python: a tuple, its hash
-    and one comparison, all in C, plus the new token's check, instead of a pass over every id.
-    The validated tuple itself is returned (equal ids that are not plain ints, such as NumPy
-    ints, come back as the ints validated before), with its hash, so a query built from it never
-    hashes the context again.
+    a decoding step), is checked in work that does not grow with its length in Python: its
+    hash (its last :data:`~genback.query.HASH_TAIL` ids), one comparison in C and the new
+    token's check, instead of a pass over every id. Validated contexts are kept as
+    :class:`~genback.context.Context` s: an extension shares its parent's flat ``base`` and
+    adds the token to a short tail, so no step copies a whole context
+    (:mod:`genback.context`). The validated object itself is returned (equal ids that are not
+    plain ints, such as NumPy ints, come back as the ints validated before), with its hash, so
+    a query built from it never hashes the context again.
 
     Args:
         vocab_size: ids must lie in ``[0, vocab_size)``.
         max_contexts: most validated contexts remembered (least recently used dropped first);
-            the memory holds references to tuples that the output cache and queries mostly hold
-            anyway.
+            the memory holds references to contexts that the output cache and queries mostly
+            hold anyway, and extensions share their bases.
 
-    Every validated tuple of at least :data:`genback.heap.UNTRACK_MIN` tokens is untracked by the
+    Every flat tuple of at least :data:`genback.heap.UNTRACK_MIN` tokens is untracked by the
     cyclic garbage collector (:func:`genback.heap.untrack_ids`): it holds exact ints only, and a
     long context would otherwise be walked by the next collection.
 
@@ -99,22 +103,33 @@ class ContextChecker:
         self.max_contexts = max_contexts
         # hash(context) -> the validated context (keyed by an int: a dict lookup by a long tuple
         # costs several times its hash plus one comparison)
-        self._seen: OrderedDict[int, tuple] = OrderedDict()
+        self._seen: OrderedDict[int, Context] = OrderedDict()
 
     def __call__(self, token_ids, name: str = "token_ids") -> tuple[int, ...]:
         """Checked ``token_ids`` as a tuple of ints; raises as :func:`check_token_ids`."""
         return self.check(token_ids, name)[0]
 
     def check(self, token_ids, name: str = "token_ids"
-              ) -> tuple[tuple[int, ...], int, tuple[int, ...] | None]:
-        """``(ids, context_hash(ids), parent)``: checked ``token_ids`` as a tuple of ints, its
-        hash (:func:`genback.query.context_hash`, independent of the context's length in cost)
-        and, when ``ids`` extends a remembered context by one token, that context's validated
-        tuple (``parent == ids[:-1]``, compared here; else None).
+              ) -> tuple[tuple[int, ...], int, Context | None]:
+        """:meth:`check_context` with the context as a flat tuple of ints.
 
-        A list or tuple that holds the very int objects of a remembered context (an SMC
-        program's ``context + [token]``) is compared by identity in C
-        (:func:`genback.identity.same_items`, no reference count touched); otherwise by value.
+        Raises:
+            TypeError / ValueError: as :func:`check_token_ids`.
+        """
+        ctx, h, parent = self.check_context(token_ids, name)
+        return ctx.tokens, h, parent
+
+    def check_context(self, token_ids, name: str = "token_ids"
+                      ) -> tuple[Context, int, Context | None]:
+        """``(context, context_hash(ids), parent)``: checked ``token_ids`` as a
+        :class:`~genback.context.Context`, its hash (:func:`genback.query.context_hash`,
+        independent of the context's length in cost) and, when ``ids`` extends a remembered
+        context by one token, that context (``parent == ids[:-1]``, compared here; else None).
+
+        A list or tuple that holds the very int objects of a remembered context's base (an SMC
+        program's ``context + [token]``) is compared with it by identity in C
+        (:func:`genback.identity.same_items`, no reference count touched); otherwise, and the
+        tail always, by value.
 
         Raises:
             TypeError / ValueError: as :func:`check_token_ids`.
@@ -127,24 +142,25 @@ class ContextChecker:
                 h = hash((n, tuple(token_ids[-HASH_TAIL:]) if kind is list
                           else token_ids[-HASH_TAIL:]))
                 hit = self._seen.get(h)
-                if hit is not None and len(hit) == n and _same_context(token_ids, hit, hit):
+                if hit is not None and len(hit) == n and _starts_with(token_ids, hit):
                     self._touch(h)
                     return hit, h, None
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
                     head = token_ids[-HASH_TAIL - 1:-1]  # (context_hash of ids[:-1])
                     parent = self._seen.get(hash((n - 1, tuple(head) if kind is list else head)))
-                    if parent is not None and len(parent) == n - 1:
-                        hit = parent + (last,)  # the caller's context, if it extends parent
-                        if _same_context(token_ids, hit, parent):
-                            self._remember(h, hit)
-                            return hit, h, parent
+                    if (parent is not None and len(parent) == n - 1
+                            and _starts_with(token_ids, parent)):
+                        hit = parent.extend(last)  # the caller's context
+                        self._remember(h, hit)
+                        return hit, h, parent
             except TypeError:  # an unhashable element: the full check names it
                 pass
         ids = check_token_ids(token_ids, self.vocab_size, name)
         h = context_hash(ids)
-        self._remember(h, ids)
-        return ids, h, None
+        ctx = Context(untrack_ids(ids))  # (exact ints only: no collection need walk it)
+        self._remember(h, ctx)
+        return ctx, h, None
 
     def _touch(self, h: int) -> None:
         try:
@@ -152,14 +168,13 @@ class ContextChecker:
         except KeyError:  # evicted meanwhile by another thread: it is only a memory
             pass
 
-    def _remember(self, h: int, ids: tuple) -> None:
+    def _remember(self, h: int, ctx: Context) -> None:
         seen = self._seen
-        # a validated tuple holds exact ints only: untracked now, no collection walks it
         if h in seen:  # (another context of this hash: replaced, and now the most recent)
-            seen[h] = untrack_ids(ids)
+            seen[h] = ctx
             self._touch(h)
         else:  # (a new key goes last: the most recent already)
-            seen[h] = untrack_ids(ids)
+            seen[h] = ctx
         while len(seen) > self.max_contexts:
             try:
                 seen.popitem(last=False)
@@ -170,15 +185,17 @@ class ContextChecker:
         self._seen.clear()
 
 
-def _same_context(seq, full: tuple, base: tuple) -> bool:
-    """Whether list or tuple ``seq`` equals ``full``, a validated tuple that starts with
-    ``base`` and ends with ``seq``'s own items: by the identity of ``base``'s items when it is
-    at least :data:`IDENTITY_MIN` long (:func:`genback.identity.same_items`), else, or when the
-    objects differ, by value."""
-    k = len(base)
-    if k >= IDENTITY_MIN and same_items(seq, base, k):
-        return True
-    return full == (seq if type(seq) is tuple else tuple(seq))
+def _starts_with(seq, ctx: Context) -> bool:
+    """Whether list or tuple ``seq`` starts with validated ``ctx``'s ids: its base by the
+    identity of the base's items when it is at least :data:`IDENTITY_MIN` long
+    (:func:`genback.identity.same_items`), else, or when the objects differ, by value; its
+    tail by value."""
+    base, tail = ctx.base, ctx.tail
+    b = len(base)
+    if not (b >= IDENTITY_MIN and same_items(seq, base, b)):
+        if base != (seq[:b] if type(seq) is tuple else tuple(seq[:b])):
+            return False
+    return not tail or tail == tuple(seq[b:b + len(tail)])
 
 
 def check_positive_int(value, name: str) -> int:

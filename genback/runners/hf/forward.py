@@ -156,7 +156,7 @@ def _results(queries: list[Query], logits: torch.Tensor, row_device: torch.devic
         lps = torch.cat(lps).cpu()
         flags = torch.cat(flags).cpu() if greedy else None
     chosen = iter(choose_rows(logits.index_select(0, torch.tensor(steps_at, device=dev)),
-                              [q.tokens for q in steps], [q.pick for q in steps])
+                              [q.context for q in steps], [q.pick for q in steps])
                   if steps else ())
     out: list = []
     a = b = 0

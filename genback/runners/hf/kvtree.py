@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ...context import Context, flat
 from ...heap import untrack_ids
 from .ends import Ends
 from .segments import prefix_segments
@@ -126,8 +127,7 @@ class KVTree:
             pool slots of ``tokens[:length]``; ``holder`` is the deepest node those segments come from
             (``acquire`` it to keep them from eviction while they are in use), or the root.
         """
-        if type(tokens) is not tuple:
-            tokens = tuple(tokens)
+        tokens = flat(tokens)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         node = None
         if parent is not None and len(parent) <= limit:
@@ -182,8 +182,8 @@ class KVTree:
         LRU order to a later :meth:`touch_all`. Returns the node that ends at ``len(tokens)``;
         call ``evict`` afterwards.
         """
-        if type(tokens) is not tuple:
-            tokens = tuple(tokens)
+        if type(tokens) is not tuple and type(tokens) is not Context:
+            tokens = tuple(tokens)  # (a Context is read where the walk goes: mostly its tail)
         if len(slots) != len(tokens) - start:
             raise ValueError(
                 f"slots cover {len(slots)} tokens but tokens[start:] has {len(tokens) - start}")

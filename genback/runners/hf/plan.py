@@ -56,7 +56,13 @@ class Path:
     the planner (``match`` here, or :meth:`matched`), or, for a path after a prefill level or a
     piece of a query too large for one forward, by the runner when its level runs (the KV
     before it is in the tree by then). ``holder is None`` until matched. ``n_new``:
-    ``len(tokens) - cached``, kept with the match."""
+    ``len(tokens) - cached``, kept with the match.
+
+    ``tokens`` is the answered query's own :attr:`~genback.query.Query.context` (a tuple or
+    the front's :class:`~genback.context.Context`, never flattened here: a decode step reads
+    its length and last token only), or a tuple for a prefill: the runner notes where its KV
+    ends by the identity of that object (:class:`.ends.Ends`), the object a later query names
+    as its ``parent``."""
 
     __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder", "n_new")
 
@@ -95,8 +101,8 @@ class Path:
 
 def query_path(q: Query, index: int = 0) -> Path:
     """The path that answers ``q`` alone (index ``index`` of its batch), not matched yet."""
-    n = len(q.tokens)
-    return Path(q.tokens, q.adapter, n - q.n_outputs, [Output(index, q, n)])
+    n = len(q.context)
+    return Path(q.context, q.adapter, n - q.n_outputs, [Output(index, q, n)])
 
 
 def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> list[Path] | None:
@@ -127,8 +133,8 @@ def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> l
         node = get(parent, adapter)
         if node is None:
             return None
-        n = len(q.tokens)
-        paths.append(Path(q.tokens, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node)))
+        n = len(q.context)
+        paths.append(Path(q.context, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node)))
         if n > longest:
             longest = n
     # two queries with one context (a row and a decoding step of it, or two picks) are answered
@@ -172,7 +178,7 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
     for members in groups.values():
         if len(members) == 1:  # (most groups in an SMC step: each particle's own leaf)
             i, q, limit, m = members[0]
-            paths.append(Path(q.tokens, q.adapter, limit, [Output(i, q, len(q.tokens))]))
+            paths.append(Path(q.context, q.adapter, limit, [Output(i, q, len(q.context))]))
             matches.append(m)
             continue
         base = min(m[1] for _, _, _, m in members)
@@ -188,7 +194,7 @@ def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list
                 nxt = members[j + 1][1].tokens
                 if len(nxt) >= len(q.tokens) and nxt[base:len(q.tokens)] == q.tokens[base:]:
                     continue  # answered by the path of an extension of it (the next leaf)
-            leaves.append(Path(q.tokens, q.adapter, min(
+            leaves.append(Path(q.context, q.adapter, min(
                 o.end - o.query.n_outputs for o in pending), pending))
             matches.append(first)
             pending, first = [], None

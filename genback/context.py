@@ -1,0 +1,118 @@
+"""``Context``: a validated context held as a shared flat prefix plus a short tail of tokens.
+
+An SMC program asks, at every step, for each particle's context plus one token. Held as one
+tuple per context, every step copies each particle's whole context into a new tuple (``parent +
+(token,)``: every id's reference count written, and again when the tuple is freed): ~18 us per
+query at 4,000 tokens on this project's CPU, measured, and O(length) per step whatever else is
+done. A :class:`Context` shares its parent's ``base`` tuple and adds the token to a short
+``tail``, so a one-token extension costs O(:data:`TAIL_MAX`); once the tail is full, the next
+extension starts a new flat base (one O(length) copy per :data:`TAIL_MAX` steps). It is the
+rope of string libraries (Boehm, Atkinson and Plass, 1995, "Ropes: an alternative to
+strings"), kept to two pieces.
+
+The front's memory of validated contexts (:class:`genback.llm.inputs.ContextChecker`) makes
+them; a query carries one as its :attr:`genback.query.Query.context`, and its flat tuple
+(:attr:`Context.tokens`) is built only when something asks for it (then kept): the HF runner's
+uniform decode step reads a context's length, its last token and a slice of its tail only.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+from .heap import untrack_ids
+
+# most tokens a context's tail holds; the next extension copies base + tail into a new base
+TAIL_MAX = 64
+
+
+class Context:
+    """Token ids ``base + tail``, immutable: a sequence of ints with tuple equality.
+
+    Args:
+        base: a tuple of exact ints (validated; shared by the contexts that extend it).
+        tail: a short tuple of exact ints after ``base``.
+
+    ``len``, indexing and :meth:`extend` cost nothing that grows with the context, a slice
+    what a tuple's slice costs; slices with a step, comparison with another context or a
+    tuple, and ``hash`` build the flat tuple once (:attr:`tokens`). Equal to a tuple or
+    context of the same ids; hashes as that tuple.
+    """
+
+    __slots__ = ("base", "tail", "_n", "_flat")
+
+    def __init__(self, base: tuple, tail: tuple = ()):
+        self.base = base
+        self.tail = tail
+        self._n = len(base) + len(tail)
+        self._flat = None if tail else base
+
+    @property
+    def tokens(self) -> tuple:
+        """The ids as one flat tuple (built at the first call, then kept)."""
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = untrack_ids(self.base + self.tail)
+        return flat
+
+    def extend(self, token: int) -> "Context":
+        """This context plus ``token`` (a checked id): the same ``base`` and a longer tail,
+        or, when the tail holds :data:`TAIL_MAX` tokens, a new flat base."""
+        if len(self.tail) < TAIL_MAX:
+            return Context(self.base, self.tail + (token,))
+        flat = self._flat
+        return Context(untrack_ids((flat if flat is not None else self.base + self.tail)
+                                   + (token,)))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        b = len(self.base)
+        if type(index) is int:
+            if index < 0:
+                index += self._n
+                if index < 0:
+                    raise IndexError("Context index out of range")
+            return self.base[index] if index < b else self.tail[index - b]
+        if not isinstance(index, slice):
+            raise TypeError(f"Context indices must be ints or slices, not "
+                            f"{type(index).__name__}")
+        start, stop, step = index.indices(self._n)
+        if step == 1:
+            if start >= b:
+                return self.tail[start - b:stop - b]
+            if stop <= b:
+                return self.base[start:stop]
+            return self.base[start:] + self.tail[:stop - b]
+        return self.tokens[index]
+
+    def __iter__(self):
+        return chain(self.base, self.tail)
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if type(other) is Context:
+            if other._n != self._n:
+                return False
+            if other.base is self.base:
+                return other.tail == self.tail
+            return self.tokens == other.tokens
+        if type(other) is tuple:
+            return len(other) == self._n and self.tokens == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Context({self._n} tokens, tail {len(self.tail)})"
+
+
+def flat(tokens) -> tuple:
+    """``tokens`` (a tuple, a :class:`Context` or another sequence of ints) as a flat tuple."""
+    kind = type(tokens)
+    if kind is tuple:
+        return tokens
+    return tokens.tokens if kind is Context else tuple(tokens)
