@@ -386,15 +386,20 @@ def test_a_paths_match_is_set_once():
         path.matched(0, tree.root)
 
 
-async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok, monkeypatch):
+@pytest.mark.parametrize("decode", ["auto", "eager"])  # (the tree path; the GPU's decode step)
+async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok, monkeypatch,
+                                                              decode):
     """An SMC run through the public API (shared prompt, resampling): every step after the
-    prompt is planned by plan_step (no plan_batch, no tree match), one forward per step, and
+    prompt is planned by plan_step (no plan_batch, no tree match), one forward per step, no
+    context is copied whole (no flat tuple of a step's context is built: genback.context), and
     every row equals an uncached forward."""
     import genback.runners.hf.runner as runner_module
     from test_llm_tree import _max_err, _smc_trace
 
+    from genback.context import Context
+
     trace = _smc_trace(random.Random(3), 300, 12, 7, 3, 50)  # 300 tokens: the identity check
-    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, decode=decode)
     try:
         await lm.next_token_logprobs(trace[0][0][:-1])  # the prompt: its KV and its note
         planned, matched = [], []
@@ -404,10 +409,15 @@ async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok,
         match = lm.runner.tree.match
         monkeypatch.setattr(lm.runner.tree, "match",
                             lambda *a, **k: matched.append(1) or match(*a, **k))
+        flat, flattened = Context.tokens.fget, []
+        monkeypatch.setattr(Context, "tokens", property(
+            lambda c: (c._flat is None and flattened.append(len(c))) or flat(c)))
         forwards, worst, refs = lm.forwards, 0.0, {}
         for contexts in trace:
             rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            assert not flattened
             worst = max(worst, _max_err(rows, contexts, lm, refs))
+            flattened.clear()  # (the check's own forwards may flatten: not the step's)
         assert not planned and not matched
         assert lm.forwards - forwards == len(trace) and worst <= 1e-5
     finally:
