@@ -8,6 +8,7 @@ import asyncio
 import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -263,3 +264,64 @@ def test_decoding_steps_on_the_decode_path_sample_what_the_tree_path_samples(tin
         finally:
             lm.close()
     assert got["eager"] == got["off"] and all(len(t) == 12 for t in got["eager"])
+
+
+def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, gpt2_tok,
+                                                                      monkeypatch):
+    """SMC with resampling over more steps than a lane table lives (REFRESH): each step's table
+    is the last step's rows plus a column (counted), and every row's slots (level 0, then its
+    row without padding) are the tree's slots of its cached context plus its new slot, checked
+    against a walk of the tree at every step; rows equal an uncached forward."""
+    from genback.runners.hf import decode_step
+    from genback.runners.hf.lanes import REFRESH
+    from genback.runners.hf.segments import prefix_segments
+
+    checked = []
+    layout = decode_step.DecodeStep.layout
+
+    def spy(self, group):
+        arrays = layout(self, group)
+        ids, positions, new_slots, table, pads, prefix = arrays
+        for i, p in enumerate(group):
+            tree = [s for _, _, s in prefix_segments(p.holder, p.cached)]
+            want = np.concatenate(tree + [new_slots[i:i + 1]])
+            got = np.concatenate([prefix, table[i, pads[i]:]])
+            assert np.array_equal(got, want) and positions[i] == p.cached
+        checked.append(len(group))
+        return arrays
+
+    monkeypatch.setattr(decode_step.DecodeStep, "layout", spy)
+    steps = 2 * REFRESH + 5
+    trace = _smc_trace(random.Random(11), 60, 16, steps, 3, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode="eager")
+    try:
+        lm.cache_kv(trace[0][0][:-1])
+        assert _run_trace(lm, trace, {}) <= 1e-5
+        info = lm.cache_info()
+        assert info["decode_steps"] == len(trace) == len(checked)
+        # the first step and one in every REFRESH + 1 are full layouts; the others gathered
+        full = info["decode_steps"] - info["decode_lane_steps"]
+        assert full == -(-len(trace) // (REFRESH + 1))
+    finally:
+        lm.close()
+
+
+def test_a_freed_slot_retires_the_last_steps_rows(tiny_hf, gpt2_tok):
+    """Any slot freed between two steps (here: the cache cleared and the contexts computed
+    again, into other slots) makes the next step lay its rows out from the tree again."""
+    trace = _smc_trace(random.Random(5), 30, 6, 4, 2, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode="eager")
+    try:
+        lm.cache_kv(trace[0][0][:-1])
+        assert _run_trace(lm, trace[:2], {}) <= 1e-5
+        lanes = lm.cache_info()["decode_lane_steps"]
+        lm.clear_kv_cache()
+        lm.batch_next_token_logprobs_sync(trace[1])  # (the last step's contexts, recomputed)
+        assert _run_trace(lm, trace[2:3], {}) <= 1e-5
+        assert lm.cache_info()["decode_lane_steps"] == lanes  # laid out from the tree
+        assert _run_trace(lm, trace[3:], {}) <= 1e-5
+        assert lm.cache_info()["decode_lane_steps"] == lanes + 1  # ... and from lanes again
+    finally:
+        lm.close()

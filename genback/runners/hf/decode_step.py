@@ -50,6 +50,7 @@ import torch
 
 from . import tree_attention
 from .kv_pool import KVPool
+from .lanes import Lanes
 from .segments import split_segments
 from .tree_cache import TreeCache
 
@@ -241,7 +242,8 @@ class DecodeStep:
             :data:`MAX_TABLE_SLOTS` then takes the tree path). For measuring where the cascade
             pays (``bench_gpu.py --genback graphs-dense``).
         steps, replays, captures, capture_seconds, graph_bytes (device memory reserved by
-            captures), failed (the capture error, once: later steps run eagerly): statistics.
+            captures), lane_steps (steps laid out from the last step's rows, :mod:`.lanes`),
+            failed (the capture error, once: later steps run eagerly): statistics.
     """
 
     def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32,
@@ -261,43 +263,63 @@ class DecodeStep:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = None
         self._version = pool.version
-        self.steps = self.replays = self.captures = 0
+        self.steps = self.replays = self.captures = self.lane_steps = 0
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.failed: str | None = None
         self.min_prefix = 1
+        self._lanes: Lanes | None = None  # the last step's rows (see .lanes)
         tree_attention.register(NAME, decode_attention)
 
     def stats(self) -> dict:
         return {"decode_steps": self.steps, "decode_replays": self.replays,
                 "decode_graphs": len(self.graphs), "decode_captures": self.captures,
                 "decode_capture_seconds": round(self.capture_seconds, 4),
-                "decode_graph_bytes": self.graph_bytes}
+                "decode_graph_bytes": self.graph_bytes, "decode_lane_steps": self.lane_steps}
 
     def clear(self) -> None:
         """Drop every graph and buffer (their memory goes back to the allocator)."""
         self.graphs.clear()
         self.buffers.clear()
         self._mempool = None
+        self._lanes = None
 
     def layout(self, group) -> tuple | None:
         """The step's host arrays, or None when it is too wide for this path: ``(ids,
         positions, new_slots, table, pads, prefix)`` (see :meth:`DecodeBuffers.fill`; new slots
-        are taken from the pool here)."""
+        are taken from the pool here). When every path extends a context of the last step by
+        one token, the table is that step's rows plus a column (:class:`.lanes.Lanes`);
+        otherwise, or every :data:`.lanes.REFRESH` steps, the tree's segments are laid out
+        again (:func:`.segments.split_segments`)."""
         R = len(group)
         if R > MAX_ROWS:
             return None
-        # level 0 is the prefix of two or more rows; a single row's whole context is its own
-        # (its width then grows through power-of-two buckets, not a new prefix bucket per 256)
-        shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
-                                         shared_by_all=True)
-        prefix = (np.concatenate([s for s, _ in shared]) if shared
-                  else np.empty(0, dtype=np.int64))
-        width = int(private.path_lengths().max()) + 1 if R else 1
-        if _pow2(R) * bucket(R, width, 0)[1] > MAX_TABLE_SLOTS:
-            return None
-        new_slots = self.pool.alloc(R)
-        table, pads = private.layout(new_slots[:, None])
+        pool, lanes, past = self.pool, self._lanes, None
+        rows = None if lanes is None else lanes.rows(group, pool.frees)
+        if rows is not None:  # the last step's rows, gathered (see .lanes)
+            past, pads = lanes.gather(rows)
+            prefix, age = lanes.prefix, lanes.age + 1
+            if _pow2(R) * bucket(R, past.shape[1] + 1, 0)[1] > MAX_TABLE_SLOTS:
+                past = None  # (a full layout may share more)
+        if past is None:
+            # level 0 is the prefix of two or more rows; a single row's whole context is its
+            # own (its width then grows through power-of-two buckets, not a prefix bucket per 256)
+            shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
+                                             shared_by_all=True)
+            prefix = (np.concatenate([s for s, _ in shared]) if shared
+                      else np.empty(0, dtype=np.int64))
+            width = int(private.path_lengths().max()) + 1 if R else 1
+            if _pow2(R) * bucket(R, width, 0)[1] > MAX_TABLE_SLOTS:
+                self._lanes = None
+                return None
+            new_slots = pool.alloc(R)
+            table, pads = private.layout(new_slots[:, None])
+            age = 0
+        else:
+            new_slots = pool.alloc(R)
+            table = np.concatenate([past, new_slots[:, None]], axis=1)
+            self.lane_steps += 1
+        self._lanes = Lanes(group, table, pads, prefix, pool.frees, age)
         ids = np.fromiter((p.tokens[-1] for p in group), dtype=np.int64, count=R)
         positions = np.fromiter((p.cached for p in group), dtype=np.int64, count=R)
         return ids, positions, new_slots, table, pads, prefix

@@ -50,6 +50,8 @@ class KVPool:
         self._n_free = 0
         self.version = 0  # growths so far (captured graphs hold the store's address)
         self.in_use = 0
+        self.frees = 0  # calls that freed slots (free, clear): slot numbers seen before may
+        # hold other KV once this changes (the decode step's lanes check it)
 
     def _new_store(self, capacity: int) -> torch.Tensor:
         # zeros on CUDA (one memset): a padded lane may read any slot, masked, and a masked
@@ -114,11 +116,13 @@ class KVPool:
             self._free.append(slots)
             self._n_free += len(slots)
             self.in_use -= len(slots)
+            self.frees += 1
 
     def clear(self) -> None:
         """Every slot free again; a store grown past :data:`INITIAL_SLOTS` is released (a new
         one of that size replaces it, so clearing the cache gives its memory back)."""
         self.top, self._free, self._n_free, self.in_use = 1, [], 0, 0
+        self.frees += 1
         if self.capacity > INITIAL_SLOTS:
             self.store = self._new_store(INITIAL_SLOTS)
             self.version += 1

@@ -1,0 +1,75 @@
+"""``Lanes``: a decode step's rows of pool slots, kept so that the next step's layout is a gather.
+
+A uniform decode step (:mod:`.decode_step`) lays each row's private past out as a row of pool
+slots (left-padded with the dummy slot 0, the slot of its new token last) after a prefix that
+every row shares (level 0 of the cascade). The next SMC or decoding step asks for each of those
+contexts plus one token, so its row is the same row plus one slot. Listing the tree's segments
+of every path again (:func:`.segments.split_segments`: a walk up from each holder, the union's
+columns, the chains, the expansion) costs ~2.6 µs per row at 256 rows on this project's CPU
+(``bench_host.py --decode eager``, measured); instead a step keeps its table, and which row
+each context has by the identity of the context object (as :class:`.ends.Ends` does), and the
+next step's table is ``table[rows]`` plus a column: one dictionary look-up per row, the rest
+NumPy.
+
+When a step's rows are still right: the slots of a cached context's KV never change while it is
+cached (splits and merges of tree nodes join or split index arrays; KV never moves), so a row is
+right as long as no slot it names was freed and handed out again. A step's lanes are therefore
+used only while the pool has freed nothing since (:attr:`.kv_pool.KVPool.frees`: an eviction, a
+duplicate's slots, a failed step, a cleared cache), and only by the very next step. A full layout
+runs at least every :data:`REFRESH` steps: resampling can make every row share more of its
+past, which a full layout reads once in level 0 instead of once per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# most steps laid out from lanes in a row before a full layout (which can find a longer shared
+# prefix); the full layout costs ~5x a lane step's Python work (measured at 256 rows)
+REFRESH = 16
+
+
+class Lanes:
+    """One decode step's table, for the next step's :meth:`rows` and :meth:`gather`.
+
+    Args:
+        paths: the step's paths (one output each; ``tokens`` the answered query's context).
+        table: ``int64 [R, W]``: each row's private past's pool slots, left-padded with slot 0,
+            the row's new slot last.
+        pads: ``int64 [R]``: each row's padding columns.
+        prefix: ``int64 [P]``: the slots every row reads first (level 0).
+        frees: the pool's :attr:`~.kv_pool.KVPool.frees` when the table was made.
+        age: steps laid out from lanes since the last full layout (0 for a full layout's).
+    """
+
+    __slots__ = ("keys", "table", "pads", "prefix", "frees", "age")
+
+    def __init__(self, paths, table: np.ndarray, pads: np.ndarray, prefix: np.ndarray,
+                 frees: int, age: int):
+        self.keys = {id(p.tokens): (p.tokens, i) for i, p in enumerate(paths)}
+        self.table, self.pads, self.prefix = table, pads, prefix
+        self.frees, self.age = frees, age
+
+    def rows(self, group, frees: int) -> np.ndarray | None:
+        """``int64 [len(group)]``: the row of each path's parent context (its query's
+        ``parent``, this very object) in this step's table; None when one has none, when the
+        pool freed slots since (``frees`` differs) or when a full layout is due."""
+        if frees != self.frees or self.age >= REFRESH:
+            return None
+        keys = self.keys
+        out = []
+        for p in group:
+            parent = p.outputs[0].query.parent
+            entry = keys.get(id(parent))
+            if entry is None or entry[0] is not parent:
+                return None
+            out.append(entry[1])
+        return np.array(out, dtype=np.int64)
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(past, pads)`` of the step whose paths extend the contexts of ``rows`` by one
+        token each: those rows less the padding columns they all have (``int64 [R, W']``) and
+        each one's padding; the new slots go after them as the last column."""
+        pads = self.pads[rows]
+        trim = int(pads.min()) if len(pads) else 0
+        return self.table[rows, trim:], (pads - trim if trim else pads)
