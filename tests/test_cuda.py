@@ -359,21 +359,23 @@ def test_each_caller_owns_its_row(tiny_hf, gpt2_tok, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_callers_copies_come_in_bounded_blocks(device):
-    """The callers' copies of a step's device rows (Front._compute_owned) are views of blocks of
-    at most OWNED_BLOCK_BYTES: a row a caller keeps keeps no more than its block alive."""
-    from genback.llm.front import OWNED_BLOCK_BYTES, owned_copies
+    """The callers' copies of a step's rows (Front._compute_owned) are views of blocks of at
+    most OWNED_BLOCK_BYTES on a device, HOST_OWNED_BLOCK_BYTES in host memory: a row a caller
+    keeps keeps no more than its block alive."""
+    from genback.llm.front import HOST_OWNED_BLOCK_BYTES, OWNED_BLOCK_BYTES, owned_copies
 
+    limit = HOST_OWNED_BLOCK_BYTES if device == "cpu" else OWNED_BLOCK_BYTES
     rows = list(torch.randn(100, 100_000, device=device).unbind(0))  # 400 KB a row
     copies = owned_copies(rows)
-    per = OWNED_BLOCK_BYTES // rows[0].nbytes
+    per = limit // rows[0].nbytes
     blocks = {}
     for k, (row, copy_) in enumerate(zip(rows, copies)):
         assert torch.equal(row, copy_) and copy_.data_ptr() != row.data_ptr()
         blocks.setdefault(copy_.untyped_storage().data_ptr(), []).append(k)
-    assert len(blocks) == -(-100 // per)  # ceil: 20 rows a block, 5 blocks
-    assert all(len(ks) * rows[0].nbytes <= OWNED_BLOCK_BYTES for ks in blocks.values())
+    assert len(blocks) == -(-100 // per)  # ceil: 20 rows a block on a device, 2 on the CPU
+    assert all(len(ks) * rows[0].nbytes <= limit for ks in blocks.values())
     copies[3].fill_(0.0)  # a caller writing into its copy changes no other row
     assert torch.equal(copies[4], rows[4]) and not torch.equal(rows[3], copies[3])
     # a row larger than a block still gets a copy of its own
-    (big,) = owned_copies([torch.ones(OWNED_BLOCK_BYTES // 4 + 1, device=device)])
-    assert big.numel() == OWNED_BLOCK_BYTES // 4 + 1
+    (big,) = owned_copies([torch.ones(limit // 4 + 1, device=device)])
+    assert big.numel() == limit // 4 + 1

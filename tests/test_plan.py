@@ -191,6 +191,20 @@ async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
     batch = tiny_lm.batch_next_token_logprobs_sync([ctx, ctx])
     batch.fill_(1.0)
     torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), keep, rtol=0, atol=0)
+    # two callers of one new context in one batch (the batcher's copy for the second), beside
+    # others: each gets its own row, a view of a block of at most HOST_OWNED_BLOCK_BYTES
+    from genback.llm.front import HOST_OWNED_BLOCK_BYTES
+
+    new = [ctx + [15], ctx + [15]] + [ctx + [16, t] for t in range(40)]
+    rows = await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in new))
+    assert rows[0].data_ptr() != rows[1].data_ptr()
+    assert all(r.untyped_storage().nbytes() <= max(HOST_OWNED_BLOCK_BYTES, r.nbytes)
+               for r in rows)
+    want = rows[1].clone()
+    rows[0].fill_(0.0)
+    torch.testing.assert_close(rows[1], want, rtol=0, atol=0)
+    torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx + [15]), want,
+                               rtol=0, atol=0)
 
 
 def _kv_of(tree: KVTree, tokens: tuple, **kw) -> tuple[torch.Tensor, int]:

@@ -51,7 +51,7 @@ class QueueAPI:
             elif done.exception() is not None:
                 future.set_exception(done.exception())
             else:
-                future.set_result(done.result().clone())
+                future.set_result(front.owned(done.result()))
 
         inner.add_done_callback(relay)
 
