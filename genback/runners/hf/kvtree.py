@@ -239,7 +239,10 @@ class KVTree:
                 or n == 0 or len(tokens) - node.depth != n
                 or len(node.edge) + n > self.EXTEND_MAX):
             return False
-        node.edge = untrack_ids(node.edge + tuple(tokens[node.depth:]))
+        # (a growing edge is not untracked: it is replaced at the leaf's next step, and the
+        # collector untracks a tuple of ints itself when it first walks it, <= 64 items)
+        node.edge = (node.edge + (tokens[-1],) if n == 1
+                     else node.edge + tuple(tokens[node.depth:]))
         node.slots = np.concatenate((node.slots, slots))
         node.depth = len(tokens)
         added = n * self.token_bytes

@@ -308,36 +308,39 @@ class HFRunner:
         ``(output, result)`` pairs."""
         answered: list[tuple[Output, object]] = []
         held, new = [], []
+        tree = self.tree
         try:
             for p in level:
                 if p.holder is None:  # (planned paths were matched, and touched, by the plan)
-                    _, cached, holder = self.tree.match(
+                    _, cached, holder = tree.match(
                         p.tokens, p.limit, touch=False, adapter=p.adapter, segments=False)
                     p.matched(cached, holder)
-                self.tree.acquire(p.holder)
+                tree.acquire(p.holder)
                 held.append(p.holder)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
+            extend, insert, note = tree.extend, tree.insert, tree.ends.note
+            inserted = self._inserted.append
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
                 values, new_slots = self._forward(group)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, slots in zip(group, new_slots):
                     holder = p.holder  # a leaf ending at the cached prefix, held by p alone,
-                    if holder.depth == p.cached and self.tree.extend(holder, p.tokens, slots):
+                    if holder.depth == p.cached and extend(holder, p.tokens, slots):
                         node = holder  # grows in place
                     else:
-                        node = self.tree.insert(p.tokens, p.cached, slots, p.adapter,
-                                                near=holder, touch=False)
-                    self._inserted.append(node)
+                        node = insert(p.tokens, p.cached, slots, p.adapter, near=holder,
+                                      touch=False)
+                    inserted(node)
                     new.append(node)
-                    self.tree.ends.note(p.tokens, node, p.adapter)
+                    note(p.tokens, node, p.adapter)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             # the LRU order of everything this level used or inserted, each node once (also
             # after an error: an inserted node must be in the LRU)
-            self.tree.touch_all(held + new)
+            tree.touch_all(held + new)
             for holder in held:
-                self.tree.release(holder)
+                tree.release(holder)
         return answered
 
     def _evict(self) -> None:
