@@ -169,7 +169,7 @@ class HFRunner:
         results: list = [None] * len(queries)
         step = plan_step(queries, self.tree.ends, queries[0].adapter, self.budget)
         if step is not None:  # an SMC or decoding step
-            for output, value in self._execute(step):
+            for output, value in self._execute(step, uniform=True):
                 results[output.index] = value
             return results
         fit = []
@@ -301,11 +301,12 @@ class HFRunner:
 
     # -- planning and forwards ----------------------------------------------------------------------
 
-    def _execute(self, level: list[Path]) -> list[tuple[Output, object]]:
+    def _execute(self, level: list[Path], uniform: bool = False) -> list[tuple[Output, object]]:
         """Run one level of a plan: match its paths that are not matched yet, hold their cached
         nodes, forward them in groups (:func:`.plan.group_paths`) and commit each forward's new
         KV to the tree at once (a batch's new KV is never all held at one time). Returns
-        ``(output, result)`` pairs."""
+        ``(output, result)`` pairs. ``uniform``: the level is a uniform decode step
+        (:func:`.plan.plan_step`'s), not checked again."""
         answered: list[tuple[Output, object]] = []
         held, new = [], []
         tree = self.tree
@@ -322,17 +323,17 @@ class HFRunner:
             inserted = self._inserted.append
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
-                values, new_slots = self._forward(group)
+                values, new_slots = self._forward(group, uniform)
                 answered.extend(zip((o for p in group for o in p.outputs), values))
                 for p, slots in zip(group, new_slots):
                     holder = p.holder  # a leaf ending at the cached prefix, held by p alone,
                     if holder.depth == p.cached and extend(holder, p.tokens, slots):
-                        node = holder  # grows in place
+                        node = holder  # grows in place (touched with the held nodes)
                     else:
                         node = insert(p.tokens, p.cached, slots, p.adapter, near=holder,
                                       touch=False)
+                        new.append(node)
                     inserted(node)
-                    new.append(node)
                     note(p.tokens, node, p.adapter)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
@@ -358,12 +359,12 @@ class HFRunner:
             trim_host_memory()
             self._freed_since_trim = 0
 
-    def _forward(self, group: list[Path]) -> tuple[list, list]:
+    def _forward(self, group: list[Path], uniform: bool = False) -> tuple[list, list]:
         """Forward ``group``; return each output's result (paths' outputs in order) and each
         path's new pool slots ``int64 [n_new]`` (their KV written). A uniform decode step of
         the base model goes through :mod:`.decode_step` when it is on and the step fits."""
         arrays = None
-        if self.decode is not None and not self.lora.loaded and is_uniform(group):
+        if self.decode is not None and not self.lora.loaded and (uniform or is_uniform(group)):
             arrays = self.decode.layout(group)
         if arrays is not None:
             new_slots = arrays[2]
