@@ -205,7 +205,8 @@ class AsyncLM:
             BatcherClosed: the model was closed or reset while the query waited.
         """
         front = self.front
-        query = front.next_token(token_ids, front.adapter_key(lora_name))
+        query = front.next_token(token_ids,
+                                 None if lora_name is None else front.adapter_key(lora_name))
         row = front.lookup(query)  # (Front.ask, without a coroutine of its own per query)
         if row is not None:
             return row.clone()  # the one copy: cached rows are shared, never handed out
