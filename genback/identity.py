@@ -2,8 +2,9 @@
 touching the objects.
 
 An SMC program extends each particle's context by one token per step and passes it as a new
-list (``context + [token]``). The front checks it against the validated tuple of its parent
-(:class:`genback.llm.inputs.ContextChecker`); the caller's list holds the parent's very int
+list (``context + [token]``). The front checks it against its parent's validated context
+(:class:`genback.llm.inputs.ContextChecker`: the flat ``base`` tuple of a
+:class:`genback.context.Context`); the caller's list holds the parent's very int
 objects (it was built from the list the parent came from), so the check is a question of
 identity. Asked in Python (``tuple(ids) == parent + (last,)``) it costs two new tuples, one
 freed again, and a comparison: every one of the context's int objects has its reference count

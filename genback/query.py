@@ -54,8 +54,8 @@ class Query:
         # query: its flat tuple is built only when asked for, see genback.context)
         self.context = tokens
         self.adapter = adapter
-        # a tuple known to equal tokens[:-1] (checked when the context was validated), the very
-        # object an earlier query had as its tokens: a runner may find that query's KV by
+        # a context known to equal tokens[:-1] (checked when the context was validated), the
+        # very object an earlier query had as its context: a runner may find that query's KV by
         # identity instead of comparing the context (not part of equality or the hash)
         self.parent = _parent
         # context_hash(tokens): a Step is built with its NextToken's, not hashed again
@@ -147,7 +147,7 @@ class Step(Query):
     __slots__ = ("pick",)
 
     def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None,
-                 _tokens_hash: int | None = None, _parent: tuple | None = None):
+                 _tokens_hash: int | None = None, _parent: "tuple | Context | None" = None):
         self.pick = pick
         super().__init__(tokens, adapter, _tokens_hash, _parent)
 

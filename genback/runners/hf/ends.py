@@ -1,13 +1,14 @@
-"""``Ends``: where the KV of recent contexts ends in the KV tree, by the identity of their tuple.
+"""``Ends``: where the KV of recent contexts ends in the KV tree, by the identity of the context
+object (the front's :class:`~genback.context.Context`, or a tuple).
 
 An SMC step or a decoding step asks for a context that is its parent's plus one token; the
-front hands the runner the parent's validated tuple (:attr:`genback.query.Query.parent`). When
-that very tuple was a recent query's context, the runner noted the tree node where its KV ends
+front hands the runner the parent's validated context (:attr:`genback.query.Query.parent`). When
+that very object was a recent query's context, the runner noted the tree node where its KV ends
 (:meth:`Ends.note`), so :meth:`.kvtree.KVTree.match` starts its walk there instead of at the root:
 no token of the context is compared, and a step costs the same at 100 tokens as at 16,000.
 
-Notes are keyed by ``id(tuple)`` and keep the tuple itself, so a key can never be mistaken for a
-new tuple at a reused address; a note is trusted only while its node still ends at that depth
+Notes are keyed by ``id(context)`` and keep the object itself, so a key can never be mistaken for
+a new object at a reused address; a note is trusted only while its node still ends at that depth
 (not evicted or merged away since). Notes live in two generations: once the current one holds
 :attr:`Ends.keep` notes, :meth:`Ends.rotate` makes it the previous one and forgets the one before.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 
 class Ends:
-    """Recent contexts' end nodes, by tuple identity, in two generations.
+    """Recent contexts' end nodes, by the identity of the context object, in two generations.
 
     Args:
         keep: notes a generation holds before :meth:`rotate` retires it (> 0).
@@ -31,8 +32,8 @@ class Ends:
         self._current: dict[int, tuple] = {}
         self._before: dict[int, tuple] = {}
 
-    def get(self, tokens: tuple, adapter=None):
-        """The node where the KV of ``tokens`` (this very tuple, under ``adapter``) ends, if a
+    def get(self, tokens, adapter=None):
+        """The node where the KV of ``tokens`` (this very object, under ``adapter``) ends, if a
         recent :meth:`note` said so and that node still ends there; else None. O(1)."""
         end = self._current.get(id(tokens)) or self._before.get(id(tokens))
         if end is None or end[0] is not tokens or end[2] != adapter:
@@ -42,9 +43,10 @@ class Ends:
             return None  # evicted or merged away since
         return node
 
-    def note(self, tokens: tuple, node, adapter=None) -> None:
-        """Remember that the KV of ``tokens`` (this very tuple) ends exactly at ``node``, for a
-        later :meth:`get`. The tuples are the contexts of recent queries, which the front's
+    def note(self, tokens, node, adapter=None) -> None:
+        """Remember that the KV of ``tokens`` (this very object: a tuple or a
+        :class:`~genback.context.Context`) ends exactly at ``node``, for a later :meth:`get`.
+        The objects are the contexts of recent queries, which the front's
         memory of validated contexts (4,096) holds anyway."""
         self._current[id(tokens)] = (tokens, node, adapter)
 

@@ -14,8 +14,9 @@ NumPy.
 When a step's rows are still right: the slots of a cached context's KV never change while it is
 cached (splits and merges of tree nodes join or split index arrays; KV never moves), so a row is
 right as long as no slot it names was freed and handed out again. A step's lanes are therefore
-used only while the pool has freed nothing since (:attr:`.kv_pool.KVPool.frees`: an eviction, a
-duplicate's slots, a failed step, a cleared cache), and only by the very next step. A full layout
+used only while the pool has freed nothing since (the ``frees`` count of the
+:class:`.kv_pool.KVPool`: an eviction, a duplicate's slots, a failed step, a cleared cache), and
+only by the next decode step (each step replaces the last one's lanes). A full layout
 runs at least every :data:`REFRESH` steps: resampling can make every row share more of its
 past, which a full layout reads once in level 0 instead of once per row.
 """
@@ -38,7 +39,7 @@ class Lanes:
             the row's new slot last.
         pads: ``int64 [R]``: each row's padding columns.
         prefix: ``int64 [P]``: the slots every row reads first (level 0).
-        frees: the pool's :attr:`~.kv_pool.KVPool.frees` when the table was made.
+        frees: the pool's ``frees`` (:class:`.kv_pool.KVPool`) when the table was made.
         age: steps laid out from lanes since the last full layout (0 for a full layout's).
     """
 
