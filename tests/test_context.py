@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genback.context import TAIL_MAX, Context, flat
-from genback.llm import inputs
 from genback.llm.inputs import ContextChecker
 from genback.query import NextToken, context_hash
+
+from test_identity import spy_identity
 
 
 def _grown(base: list[int], extra: list[int]) -> Context:
@@ -75,14 +76,7 @@ def test_queries_of_one_context_are_equal_without_a_flat_tuple():
 def test_the_checker_follows_a_lineage_past_many_tails(monkeypatch):
     """An SMC particle over 300 steps (beyond several tails): every step is found as its
     parent's extension, by the identity of the base's ints, and equals the caller's ids."""
-    calls = []
-    same = inputs.same_items
-
-    def spy(seq, tup, n):
-        calls.append(same(seq, tup, n))
-        return calls[-1]
-
-    monkeypatch.setattr(inputs, "same_items", spy)
+    calls = spy_identity(monkeypatch)
     check = ContextChecker(vocab_size=50_000)
     ids = [40_000 + i for i in range(400)]  # beyond the small-int cache: distinct objects
     parent, _, none = check.check_context(ids)

@@ -41,10 +41,8 @@ def test_equal_but_distinct_objects_are_not_the_same_items():
     assert not same_items(big, tuple(big), -1)
 
 
-@pytest.mark.parametrize("rebuild", [False, True])
-def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild, monkeypatch):
-    """An SMC step's context: its parent's very ints plus one (identity), or the same values as
-    new int objects (``tolist()`` each step: values); the same validated answer either way."""
+def spy_identity(monkeypatch) -> list[bool]:
+    """The answers of every identity check the front's checker makes from now on."""
     answers = []
 
     def spy(seq, tup, n):
@@ -52,6 +50,14 @@ def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild, monkeypat
         return answers[-1]
 
     monkeypatch.setattr(inputs, "same_items", spy)
+    return answers
+
+
+@pytest.mark.parametrize("rebuild", [False, True])
+def test_the_checker_finds_the_parent_by_identity_or_by_value(rebuild, monkeypatch):
+    """An SMC step's context: its parent's very ints plus one (identity), or the same values as
+    new int objects (``tolist()`` each step: values); the same validated answer either way."""
+    answers = spy_identity(monkeypatch)
     check = ContextChecker(vocab_size=50_000)
     ctx = [40_000 + i for i in range(300)]  # beyond the small-int cache: distinct objects
     parent, _, _ = check.check_context(ctx)
