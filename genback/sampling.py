@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .context import flat
+
 __all__ = ["SamplingParams", "Pick", "Choice", "choose", "choose_rows"]
 
 _MASK = 0x7FFF_FFFF_FFFF_FFFF
@@ -138,6 +140,9 @@ def _penalise(logits: torch.Tensor, context, pick: Pick) -> torch.Tensor:
     """logits: float32 [V] on the device (a copy: changed in place) -> the processed logits."""
     p = pick.params
     dev, V = logits.device, logits.shape[0]
+    if (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+            or p.no_repeat_ngram_size):
+        context = flat(context)  # (a Context's flat tuple once: the penalties read it all)
     if p.repetition_penalty != 1.0 and context:
         seen = torch.tensor(sorted(set(context)), dtype=torch.long, device=dev)
         seen = seen[seen < V]

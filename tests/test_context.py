@@ -105,3 +105,23 @@ def test_checked_contexts_hold_no_tracked_tuple():
         ids = ids + [2000 + t]
         ctx = check.check_context(ids)[0]
     assert ctx.tail == () and not gc.is_tracked(ctx.base)  # (a new base, untracked)
+
+
+@pytest.mark.parametrize("params", [
+    dict(), dict(repetition_penalty=1.7), dict(presence_penalty=0.4),
+    dict(frequency_penalty=0.3), dict(no_repeat_ngram_size=2),
+    dict(greedy=False, seed=3, top_k=5)])
+def test_a_decoding_step_chooses_from_a_context_as_from_its_tuple(params):
+    """The runner hands a decoding step's context to ``choose`` as the front's Context: every
+    penalty reads it as it reads the flat tuple of the same ids."""
+    import torch
+
+    from genback.sampling import Pick, SamplingParams, choose
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=gen)
+    ids = tuple(int(t) for t in torch.randint(0, 50, (150,), generator=gen))
+    ctx = _grown(list(ids[:70]), list(ids[70:]))  # (a base, a full tail, a new base, a tail)
+    assert ctx.tail and ctx.tokens == ids
+    pick = Pick(SamplingParams(logprobs=True, **params), prompt_length=40, step=3)
+    assert choose(logits, ctx, pick) == choose(logits, ids, pick)
