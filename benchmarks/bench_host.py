@@ -55,6 +55,11 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   ran outside the forward: the batcher's window when a batch waits for it (2 ms per batch was
   ~125 µs/q at 16 particles before the cohort rule), thread hand-offs, and waiting for the core
   while other processes run on it (a shared machine);
+- ``asyncio/q``: the caller's CPU per query of the same ``gather`` over coroutines that only
+  await a future each, resolved together once all are in (:func:`asyncio_floor`, run after the
+  cell): what any awaitable API costs this client (tasks, frames, futures, wake-ups);
+- ``own/q`` = caller/q + worker/q - asyncio/q: genback's own host work per query, the front on
+  the caller's thread and the worker outside the forward (issue 31's "<= 15 µs" target);
 - ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
   ``err``: max abs difference between the last step's rows of two particles and an uncached fp32
   forward of their contexts.
@@ -291,6 +296,35 @@ def reference_rows(model, contexts) -> list[torch.Tensor]:
                 for c in contexts]
 
 
+async def asyncio_floor(n: int, steps: int) -> float:
+    """The caller's CPU µs per query of the same ``gather`` with no genback in it: ``n``
+    coroutines, each awaiting a future of its own, all resolved together by a callback once the
+    last one is in (as the batcher resolves a batch): the tasks, coroutine frames, futures,
+    wake-ups and ``gather``'s callbacks that any awaitable API costs this client."""
+    loop = asyncio.get_running_loop()
+    futures: list[asyncio.Future] = []
+
+    def resolve():
+        for f in futures:
+            f.set_result(None)
+
+    async def one():
+        f = loop.create_future()
+        futures.append(f)
+        if len(futures) == n:
+            loop.call_soon(resolve)
+        return await f
+
+    spent = 0.0
+    for step in range(steps + 1):
+        futures.clear()
+        t = time.thread_time()
+        await asyncio.gather(*(one() for _ in range(n)))
+        if step:  # (the first step warms up)
+            spent += time.thread_time() - t
+    return spent * 1e6 / (n * steps)
+
+
 async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
                    resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None,
                    caller_gc_inside: bool = False) -> dict:
@@ -341,7 +375,10 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     refs = reference_rows(model, [parts[i] for i in picked])
     err = max((float((rows[i] - ref).abs().max()) for i, ref in zip(picked, refs)), default=0.0)
     distinct = len({tuple(p) for p in parts})
-    return dict(clock.per_query(), n=n, context=context, steps=steps, answered=answered,
+    floor = await asyncio_floor(n, steps)
+    per = clock.per_query()
+    return dict(per, floor=floor, own=per["caller"] + per["worker"] - floor,
+                n=n, context=context, steps=steps, answered=answered,
                 ctx_gc=ctx_gc * 1e6 / max(clock.t["queries"], 1),
                 rows_ok=rows_ok, err=err, info=info, distinct_last=distinct)
 
@@ -381,14 +418,16 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 # -- driver -----------------------------------------------------------------------------------
 
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | caller/q µs | "
-          "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | host % | fwd/step | err |")
+          "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | asyncio/q µs | "
+          "own/q µs | host % | fwd/step | err |")
 
 
 def row_md(model: str, r: dict) -> str:
     return (f"| {model} | {r['n']} | {r['context']} | {r['queries']} | {r['wall']:.0f} | "
             f"{r['fwd']:.0f} | {r['host']:.0f} | {r['caller']:.0f} | {r['worker']:.0f} | "
             f"{r['gc']:.0f} | {r['ctx_gc']:.0f} | "
-            f"{r['other']:.0f} | {r['idle']:.0f} | {100 * r['share']:.0f} | "
+            f"{r['other']:.0f} | {r['idle']:.0f} | {r['floor']:.0f} | {r['own']:.0f} | "
+            f"{100 * r['share']:.0f} | "
             f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
 
 

@@ -49,7 +49,9 @@ def test_quick_run_answers_every_query(bench, capsys):
         assert r["rows_ok"]
         assert r["err"] <= 1e-5
         assert r["fwd_per_step"] >= 1
-        assert all(math.isfinite(r[k]) for k in ("wall", "fwd", "host", "caller", "worker"))
+        assert all(math.isfinite(r[k])
+                   for k in ("wall", "fwd", "host", "caller", "worker", "floor", "own"))
+        assert r["floor"] > 0 and r["own"] == r["caller"] + r["worker"] - r["floor"]
         assert r["info"]["queries"] >= r["queries"]
     nested = results["nested"]
     assert nested["rows"] == (args.nested_len, 512)
