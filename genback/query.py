@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .context import flat
+
 if TYPE_CHECKING:
     from .context import Context
     from .sampling import Pick
@@ -66,8 +68,7 @@ class Query:
     def tokens(self) -> tuple[int, ...]:
         """The context's ids as a flat tuple (a :class:`~genback.context.Context`'s is built at
         the first call, then kept)."""
-        ids = self.context
-        return ids if type(ids) is tuple else ids.tokens
+        return flat(self.context)
 
     def _extra(self) -> tuple:
         return ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 import numpy as np
 import torch
@@ -195,7 +196,7 @@ def _starts_with(seq, ctx: Context) -> bool:
     base, tail = ctx.base, ctx.tail
     b = len(base)
     if not (b >= IDENTITY_MIN and same_items(seq, base, b)):
-        if base != (seq[:b] if type(seq) is tuple else tuple(seq[:b])):
+        if base != (seq[:b] if type(seq) is tuple else tuple(islice(seq, b))):
             return False
     return not tail or tail == tuple(seq[b:b + len(tail)])
 
