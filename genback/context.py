@@ -80,6 +80,8 @@ class Context:
                             f"{type(index).__name__}")
         start, stop, step = index.indices(self._n)
         if step == 1:
+            if stop <= start:
+                return ()
             if start >= b:
                 return self.tail[start - b:stop - b]
             if stop <= b:

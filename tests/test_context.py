@@ -4,7 +4,7 @@ of the same ids, and the front's memory of contexts over SMC-shaped runs."""
 import gc
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from genback.context import TAIL_MAX, Context, flat
@@ -21,12 +21,27 @@ def _grown(base: list[int], extra: list[int]) -> Context:
     return ctx
 
 
+def test_every_slice_of_small_contexts_equals_the_tuples():
+    """Every start/stop pair (empty, reversed and out-of-range ones included) over every split
+    of up to six ids into base and tail, against the flat tuple's slice."""
+    for n in range(7):
+        ids = list(range(10, 10 + n))
+        for cut in range(n + 1):
+            ctx = _grown(ids[:cut], ids[cut:])
+            ref = tuple(ids)
+            for a in [None, *range(-n - 2, n + 3)]:
+                for b in [None, *range(-n - 2, n + 3)]:
+                    got = ctx[a:b]
+                    assert type(got) is tuple and got == ref[a:b], (cut, a, b)
+
+
 @settings(max_examples=200, deadline=None)
 @given(base=st.lists(st.integers(0, 999), max_size=80),
        extra=st.lists(st.integers(0, 999), max_size=3 * TAIL_MAX),
        i=st.integers(-300, 300), a=st.one_of(st.none(), st.integers(-300, 300)),
        b=st.one_of(st.none(), st.integers(-300, 300)),
        step=st.sampled_from([None, 1, 2, -1, -3]))
+@example(base=[0], extra=[0, 0], i=0, a=1, b=0, step=None)  # an empty slice inside the tail (CI)
 def test_a_context_reads_as_its_flat_tuple(base, extra, i, a, b, step):
     ctx = _grown(base, extra)
     ref = tuple(base + extra)
