@@ -7,6 +7,15 @@ row. Thread-safe.
 It also has genlm-backend's ``genlm.backend.cache.OutputCache`` API (``OutputCache(maxsize,
 move_to_cpu=False)``, ``cache[key]`` / ``cache[key] = row`` / ``key in cache`` / ``len`` /
 ``clear``), so ``genback.compat`` can serve that module.
+
+Rows arrive as views: a step's ``log_softmax`` is one block of ``[rows, V]`` float32 (one
+kernel on a GPU: up to 128 MiB at 256 rows of a 128k vocabulary; blocks of about 1 MiB in host
+memory), and each cached row is a view of it, which keeps the whole block alive. Rows that are
+never asked again leave the cache in the order they came, a block's rows together; a row that is
+asked again (a hit) moves to the recent end and could keep its block alive long after its
+siblings left. So a hit replaces a view by a compact copy of the row, once (one copy per hot
+row, nothing per step): the memory the cache keeps alive stays within about twice
+``bytes_held``.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from typing import Hashable
+
+import torch
 
 
 class OutputCache:
@@ -40,26 +51,26 @@ class OutputCache:
         self.bytes_held = 0  # bytes of the rows held (tensors: numel * element size)
 
     def get(self, key: Hashable):
-        """The cached row for ``key`` (counted as a hit), or None."""
+        """The cached row for ``key`` (counted as a hit), or None. A row kept as a view of a
+        larger tensor is replaced by a compact copy of it at its first hit (see the module's
+        docstring), and that copy returned."""
         with self._lock:
-            row = self._rows.get(key)
-            if row is not None:
-                self._rows.move_to_end(key)
-                self.hits += 1
-            return row
+            return self._hit(self._rows, key)
 
     def get_many(self, keys) -> list:
         """:meth:`get` of each key, under one lock (a key that is None: no lookup, None)."""
-        rows = self._rows
-        out = []
+        rows, hit = self._rows, self._hit
         with self._lock:
-            for key in keys:
-                row = None if key is None else rows.get(key)
-                if row is not None:
-                    rows.move_to_end(key)
-                    self.hits += 1
-                out.append(row)
-        return out
+            return [None if key is None else hit(rows, key) for key in keys]
+
+    def _hit(self, rows: OrderedDict, key: Hashable):
+        row = rows.get(key)
+        if row is not None:
+            rows.move_to_end(key)
+            self.hits += 1
+            if type(row) is torch.Tensor and row._base is not None:  # a view of a block
+                row = rows[key] = row.clone()
+        return row
 
     def put(self, key: Hashable, row) -> None:
         self.put_many(((key, row),))

@@ -44,6 +44,22 @@ def test_output_cache_get_many_is_get_of_each_key():
     assert a.bytes_held == b.bytes_held == 3 * 2 * 4
 
 
+def test_output_cache_hit_replaces_a_view_by_a_compact_copy():
+    """Rows of one block are kept as views of it until hit; a hit keeps (and returns) a compact
+    copy of equal values, once, with the byte count unchanged; the other rows stay views."""
+    block = torch.randn(4, 6)
+    cache = OutputCache(8)
+    cache.put_many([(k, row) for k, row in zip("abcd", block.unbind(0))])
+    held = cache.bytes_held
+    assert held == 4 * 6 * 4 and all(cache._rows[k]._base is block for k in "abcd")
+    got = cache.get("b")
+    assert got._base is None and got.untyped_storage().nbytes() == 6 * 4
+    assert torch.equal(got, block[1]) and cache._rows["b"] is got
+    assert cache.get("b") is got  # (compacted once)
+    assert [r._base is block for r in cache.get_many(["a", "c"])] == [False, False]
+    assert cache._rows["d"]._base is block and cache.bytes_held == held and cache.hits == 4
+
+
 def test_output_cache_move_to_cpu_keeps_cpu_copies():
     cache = OutputCache(4, move_to_cpu=True)
     row = torch.arange(4.0)

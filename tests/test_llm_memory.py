@@ -54,3 +54,33 @@ def test_rss_stays_within_budget_rows_and_one_forward(smol_hf):
         assert _rss() - base <= WORKING_SET
     finally:
         lm.close()
+
+
+async def test_a_hot_cached_row_does_not_keep_its_step_block_alive(tiny_hf, gpt2_tok):
+    """A step's rows are views of one ``log_softmax`` block; once the others have left the
+    output cache, a row that was asked again (a hit) must not hold the block: the hit keeps a
+    compact copy. Asked again, the row is the same values as computed first."""
+    import gc
+    import weakref
+
+    import torch
+
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, row_cache_size=4, batch_window=0.05)
+    try:
+        first = [[50, 51, t] for t in range(4)]
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in first))
+        cache = lm.front.cache
+        cached = {k.tokens: r for k, r in cache._rows.items()}
+        block = cached[tuple(first[0])]._base
+        assert block is not None and all(r._base is block for r in cached.values())
+        gone = weakref.ref(block)
+        del block, cached
+        again = await lm.next_token_logprobs(first[0])  # a hit: no forward
+        assert torch.equal(again, rows[0])
+        await asyncio.gather(*(lm.next_token_logprobs([60, 61, t]) for t in range(3)))
+        assert [k.tokens for k in cache._rows][0] == tuple(first[0])  # the others left
+        gc.collect()
+        assert gone() is None
+        assert torch.equal(await lm.next_token_logprobs(first[0]), rows[0])
+    finally:
+        await lm.aclose()
