@@ -56,10 +56,17 @@ from .tree_cache import TreeCache
 
 NAME = "genback_decode"
 
-# most rows x table width a step may have (the level-1 gather is [2, kv_heads, rows * width,
-# head_dim] per layer); wider steps take the tree path
+# most rows x table width one forward of the step may have (the level-1 gather is [2, kv_heads,
+# rows * width, head_dim] per layer); a wider step is run in chunks of rows (MAX_CHUNKS)
 MAX_TABLE_SLOTS = 1 << 16
 MAX_ROWS = 512
+
+# most chunks of rows one step is split into when it does not fit one forward (halves, then
+# quarters), else it takes the tree path. Each chunk is one more replay, which reads the weights
+# again: on an H100 a 1B step's GPU time is 3.7-7.9 ms and the tree path's step 28-59 ms
+# (benchmarks/RESULTS.md, "GPU: the captured decode step"), so four replays stay well under the
+# eager tree path; the bound is to be measured with an 8B model
+MAX_CHUNKS = 4
 
 
 def _pow2(n: int) -> int:
@@ -239,11 +246,13 @@ class DecodeStep:
         min_prefix: level 0 of the cascade is used when the step's rows (two or more) share at
             least this many cached tokens (default 1); ``sys.maxsize``: never, every row
             attends its whole context in level 1 (the dense layout; a step wider than
-            :data:`MAX_TABLE_SLOTS` then takes the tree path). For measuring where the cascade
+            :data:`MAX_TABLE_SLOTS` then runs in chunks of rows, or takes the tree path). For measuring where the cascade
             pays (``bench_gpu.py --genback graphs-dense``).
-        steps, replays, captures, capture_seconds, graph_bytes (device memory reserved by
-            captures), lane_steps (steps laid out from the last step's rows, :mod:`.lanes`),
-            failed (the capture error, once: later steps run eagerly): statistics.
+        steps (forwards run: a step split into chunks counts each), replays, captures,
+            capture_seconds, graph_bytes (device memory reserved by captures), lane_steps
+            (steps laid out from the last step's rows, :mod:`.lanes`), split_steps (steps run
+            in chunks of rows, :meth:`layouts`), failed (the capture error, once: later steps
+            run eagerly): statistics.
     """
 
     def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32,
@@ -263,7 +272,7 @@ class DecodeStep:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._mempool = None
         self._version = pool.version
-        self.steps = self.replays = self.captures = self.lane_steps = 0
+        self.steps = self.replays = self.captures = self.lane_steps = self.split_steps = 0
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.failed: str | None = None
@@ -275,7 +284,8 @@ class DecodeStep:
         return {"decode_steps": self.steps, "decode_replays": self.replays,
                 "decode_graphs": len(self.graphs), "decode_captures": self.captures,
                 "decode_capture_seconds": round(self.capture_seconds, 4),
-                "decode_graph_bytes": self.graph_bytes, "decode_lane_steps": self.lane_steps}
+                "decode_graph_bytes": self.graph_bytes, "decode_lane_steps": self.lane_steps,
+                "decode_split_steps": self.split_steps}
 
     def clear(self) -> None:
         """Drop every graph and buffer (their memory goes back to the allocator)."""
@@ -283,6 +293,37 @@ class DecodeStep:
         self.buffers.clear()
         self._mempool = None
         self._lanes = None
+
+    def layouts(self, group) -> list[tuple[int, int, tuple]] | None:
+        """The step as ``[(start, stop, arrays), ...]``: contiguous chunks of rows
+        ``group[start:stop]`` in order, each with :meth:`layout`'s arrays (its new slots taken
+        from the pool). One chunk when the step fits one forward; else halves, then quarters
+        (at most :data:`MAX_CHUNKS`), each laid out from the tree. None (nothing taken from the
+        pool) when even those do not fit: then the tree path runs it."""
+        arrays = self.layout(group)
+        if arrays is not None:
+            return [(0, len(group), arrays)]
+        parts: list = []
+        if len(group) > 1 and self._split(group, 0, len(group), MAX_CHUNKS // 2, parts):
+            self.split_steps += 1
+            return parts
+        for _, _, arrays in parts:  # (the chunks laid out before one did not fit)
+            self.pool.free(arrays[2])
+        self._lanes = None
+        return None
+
+    def _split(self, group, start: int, stop: int, splits: int, parts: list) -> bool:
+        """Lay out ``group[start:stop]`` as two halves, each split again while it does not fit
+        and ``splits`` allows (``splits``: the chunks one half may become); appends to
+        ``parts``; False when a chunk does not fit."""
+        mid = (start + stop) // 2
+        for a, b in ((start, mid), (mid, stop)):
+            arrays = self.layout(group[a:b])
+            if arrays is not None:
+                parts.append((a, b, arrays))
+            elif splits < 2 or b - a < 2 or not self._split(group, a, b, splits // 2, parts):
+                return False
+        return True
 
     def layout(self, group) -> tuple | None:
         """The step's host arrays, or None when it is too wide for this path: ``(ids,

@@ -362,18 +362,24 @@ class HFRunner:
     def _forward(self, group: list[Path], uniform: bool = False) -> tuple[list, list]:
         """Forward ``group``; return each output's result (paths' outputs in order) and each
         path's new pool slots ``int64 [n_new]`` (their KV written). A uniform decode step of
-        the base model goes through :mod:`.decode_step` when it is on and the step fits."""
-        arrays = None
+        the base model goes through :mod:`.decode_step` when it is on and the step fits (one
+        forward, or a few over chunks of its rows: :meth:`.decode_step.DecodeStep.layouts`)."""
+        parts = None
         if self.decode is not None and not self.lora.loaded and (uniform or is_uniform(group)):
-            arrays = self.decode.layout(group)
-        if arrays is not None:
-            new_slots = arrays[2]
+            parts = self.decode.layouts(group)
+        if parts is not None:
+            values, read = [], 0
             try:
-                logits, read = self.decode.run(arrays)
-                values = _outputs(group, logits, self.row_device)
+                for start, stop, arrays in parts:  # (each chunk's rows read before the next)
+                    logits, chunk_read = self.decode.run(arrays)
+                    values += _outputs(group[start:stop], logits, self.row_device)
+                    read += chunk_read
             except BaseException:
-                self.pool.free(new_slots)
+                for _, _, arrays in parts:
+                    self.pool.free(arrays[2])
                 raise
+            new_slots = (parts[0][2][2] if len(parts) == 1
+                         else np.concatenate([arrays[2] for _, _, arrays in parts]))
             new_kv = [new_slots[i:i + 1] for i in range(len(group))]
         elif self.use_tree:
             values, new_kv, read = tree_forward(
@@ -383,7 +389,7 @@ class HFRunner:
             values, new_kv, read = dense_forward(self.model, group, pad_id=self.pad_id,
                                                  pool=self.pool, row_device=self.row_device)
         n_new = [r.n_new for r in group]
-        self.forwards += 1
+        self.forwards += 1 if parts is None else len(parts)
         self.tokens_forwarded += sum(n_new)
         self.padded_tokens_forwarded += len(group) * max(n_new)
         self.kv_bytes_read += read
