@@ -98,6 +98,10 @@ def _wide_step(lm, prompt, parts):
     (one uniform step); the rows and the counters that step moved."""
     lm.cache_kv(prompt)
     lm.batch_next_token_logprobs_sync([p[:-1] for p in parts])
+    return _step(lm, parts)
+
+
+def _step(lm, parts):
     before = dict(lm.cache_info())
     rows = lm.batch_next_token_logprobs_sync(parts)
     after = lm.cache_info()
@@ -113,7 +117,7 @@ def test_steps_too_wide_for_one_forward_run_in_chunks_of_rows(tiny_hf, gpt2_tok,
     tokens fill 256 x 512 table slots, more than one forward of the step takes
     (MAX_TABLE_SLOTS), and more rows than MAX_ROWS do not fit either: the step runs as two
     chunks of rows (two forwards, counted), each row equal to the tree path's and to an
-    uncached forward, no pool slot lost."""
+    uncached forward, no pool slot lost; and so is the next step (laid out again)."""
     rng = random.Random(rows)
     prompt = [300 + rng.randrange(400) for _ in range(40)]
     parts = [prompt + [i % 400 + 100, i // 400 + 100]
@@ -124,6 +128,7 @@ def test_steps_too_wide_for_one_forward_run_in_chunks_of_rows(tiny_hf, gpt2_tok,
                               decode=decode)
         try:
             got[decode] = _wide_step(lm, prompt, parts)
+            got[decode + " next"] = _step(lm, [p + [7] for p in parts])
             if decode == "eager":
                 assert _max_err(got[decode][0][::max(1, rows // 6)], parts[::max(1, rows // 6)],
                                 lm) <= 1e-5
@@ -132,7 +137,10 @@ def test_steps_too_wide_for_one_forward_run_in_chunks_of_rows(tiny_hf, gpt2_tok,
     assert got["eager"][1] == {"forwards": 2, "tokens_forwarded": rows, "decode_steps": 2,
                                "decode_split_steps": 1}
     assert got["off"][1] == {"forwards": 1, "tokens_forwarded": rows}
-    torch.testing.assert_close(got["eager"][0], got["off"][0], rtol=0, atol=1e-5)
+    assert got["eager next"][1] == got["eager"][1] and got["off next"][1] == got["off"][1]
+    for step in ("", " next"):
+        torch.testing.assert_close(got["eager" + step][0], got["off" + step][0], rtol=0,
+                                   atol=1e-5)
 
 
 def test_a_step_split_at_most_into_quarters_then_takes_the_tree_path(tiny_hf, gpt2_tok,
