@@ -189,7 +189,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
            "forwards": info.get("forwards"), "tokens_forwarded": info.get("tokens_forwarded"),
            "decode": decode, **prof}
     for k in ("decode_steps", "decode_replays", "decode_captures", "decode_capture_seconds",
-              "decode_graph_bytes"):
+              "decode_graph_bytes", "decode_split_steps"):
         if k in info:
             out[k] = info[k]
     return out
@@ -326,7 +326,7 @@ def report(cell: dict) -> str:
             if "decode_steps" in c:
                 extra += (f", decode steps {c['decode_steps']} (replays {c['decode_replays']}, "
                           f"{c['decode_captures']} captures in {c['decode_capture_seconds']:.2f} s,"
-                          f" {gib(c['decode_graph_bytes'])})")
+                          f" {gib(c['decode_graph_bytes'])}; split {c['decode_split_steps']})")
             lines.append(extra)
     if "err_genback_vs_loop" in cell:
         lines.append(f"  max |genback - loop| over all rows of the last step: {cell['err_genback_vs_loop']:.2e}")

@@ -12,10 +12,12 @@
 #   bash benchmarks/gpu_session.sh 1b        # the 1B cells, the same three
 #   bash benchmarks/gpu_session.sh trie      # the trie's reductions (target: cl100k B=64 <= 1 ms)
 #   bash benchmarks/gpu_session.sh cascade   # the captured step with and without level 0 (item 3)
+#   bash benchmarks/gpu_session.sh long      # 320 steps, no resampling: rows' own pasts pass 255
+#                                            # tokens, the step runs in chunks of rows (split)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: tests | 8b | 1b | trie | cascade"}
+part=${1:?"part: tests | 8b | 1b | trie | cascade | long"}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -52,5 +54,11 @@ case "$part" in
         --no-loop --genback auto,graphs-dense --json "$out/$shape-cascade.json" 2>&1 \
         | tee "$out/$shape-cascade.log"
     done ;;
-  *) echo "unknown part $part (tests | 8b | 1b | trie | cascade)" >&2; exit 2 ;;
+  long)  # long runs: split steps (graphs in chunks of rows) against the tree path
+    for shape in llama-3.2-1b llama-3.1-8b; do
+      python3 benchmarks/bench_gpu.py --shape $shape --particles 256 --prompts 1000 --steps 320 \
+        --resample 1000 --no-loop --genback auto,off --json "$out/$shape-long.json" 2>&1 \
+        | tee "$out/$shape-long.log"
+    done ;;
+  *) echo "unknown part $part (tests | 8b | 1b | trie | cascade | long)" >&2; exit 2 ;;
 esac

@@ -55,21 +55,25 @@ class OutputCache:
         larger tensor is replaced by a compact copy of it at its first hit (see the module's
         docstring), and that copy returned."""
         with self._lock:
-            return self._hit(self._rows, key)
+            row = self._rows.get(key)
+            return None if row is None else self._hit(key, row)
 
     def get_many(self, keys) -> list:
         """:meth:`get` of each key, under one lock (a key that is None: no lookup, None)."""
         rows, hit = self._rows, self._hit
+        out = []
         with self._lock:
-            return [None if key is None else hit(rows, key) for key in keys]
+            for key in keys:  # (a miss costs a dict look-up only: SMC steps miss)
+                row = None if key is None else rows.get(key)
+                out.append(None if row is None else hit(key, row))
+        return out
 
-    def _hit(self, rows: OrderedDict, key: Hashable):
-        row = rows.get(key)
-        if row is not None:
-            rows.move_to_end(key)
-            self.hits += 1
-            if type(row) is torch.Tensor and row._base is not None:  # a view of a block
-                row = rows[key] = row.clone()
+    def _hit(self, key: Hashable, row):
+        """``row``, found under ``key``: now the most recent, counted, and compact."""
+        self._rows.move_to_end(key)
+        self.hits += 1
+        if type(row) is torch.Tensor and row._base is not None:  # a view of a block
+            row = self._rows[key] = row.clone()
         return row
 
     def put(self, key: Hashable, row) -> None:
