@@ -286,7 +286,7 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
     over the real prefix keys; the padding past the prefix is masked, whatever its values."""
     from types import SimpleNamespace
 
-    from genback.runners.hf.decode_step import _prefix_attention, _splits
+    from genback.runners.hf.cascade import _prefix_attention, _splits
 
     torch.manual_seed(rows)
     Hkv, D, cap = 2, 16, 2048

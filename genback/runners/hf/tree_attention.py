@@ -224,7 +224,7 @@ _registered: set = set()
 def register(name: str = NAME, function=None) -> None:
     """Register an attention function with transformers' ``AttentionInterface`` under ``name``
     (idempotent): :func:`tree_attention` as ``"genback_tree"`` by default, or the decode step's
-    (:func:`.decode_step.decode_attention`)."""
+    (:func:`.cascade.decode_attention`)."""
     if name not in _registered:
         from transformers import AttentionInterface
 

@@ -1,0 +1,154 @@
+"""The attention of a uniform decode step: its static buffers and the two-level cascade.
+
+A decode step (:mod:`.decode_step`) runs over **static buffers** (:class:`DecodeBuffers`: token
+ids, positions, new slots, a slot table, attention biases), so that the whole model forward can
+be captured as a CUDA graph. :func:`decode_attention` is the attention function the model's
+layers call inside it (registered with transformers' attention interface as
+:data:`.decode_step.NAME`): a fixed **two-level cascade** over the KV pool
+(:class:`~.kv_pool.KVPool`; Hydragen, Juravsky et al. 2024, arXiv 2402.05099; FlashInfer's
+cascade attention):
+
+* level 0: the prefix every row shares, gathered once per layer and attended by all rows'
+  queries stacked in one product, split into chunks attended in parallel (split-K);
+* level 1: each row's own slots and its new token, as a ``[R, W]`` slot table with an additive
+  bias (0 attend, -inf padding);
+* the two merged by log-sum-exp (:func:`.tree_attention._merge`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import tree_attention
+from .kv_pool import KVPool
+
+
+class DecodeBuffers:
+    """The static inputs of one bucket's step (all on the pool's device).
+
+    One long buffer ``packed`` holds every integer input, filled by one host-to-device copy per
+    step (:meth:`fill`); the rest are views of it or built from it on the device by
+    :meth:`prepare`, inside the captured graph: ``ids`` / ``positions`` long ``[Rb, 1]``;
+    ``new_slots`` long ``[Rb]``; ``first`` long ``[Rb]`` (each row's first real table column);
+    ``table`` long ``[Rb * Wb]`` (row-major slot table, last real column the new token);
+    ``prefix`` long ``[Pb]``; ``sizes`` long ``[2]`` (the table's real width ``W``, the prefix's
+    real length ``P``). Built: ``bias1`` ``[Rb, 1, G, Wb]`` and ``bias0`` ``[1, 1, 1, Pb]`` of the
+    model's dtype (0 attend, -inf padding; None when ``Pb == 0``). ``logits`` float32 ``[Rb,
+    V]``, written by the step.
+    """
+
+    def __init__(self, pool: KVPool, key: tuple[int, int, int], groups: int, vocab: int):
+        Rb, Wb, Pb = key
+        dev, dt = pool.device, pool.dtype
+        self.pool = pool
+        self.key = key
+        self.packed = torch.zeros(4 * Rb + Rb * Wb + Pb + 2, dtype=torch.long, device=dev)
+        parts = self.packed.split([Rb, Rb, Rb, Rb, Rb * Wb, Pb, 2])
+        self.ids, self.positions = parts[0].view(Rb, 1), parts[1].view(Rb, 1)
+        self.new_slots, self.first, self.table, prefix, self.sizes = parts[2:]
+        self.prefix = prefix if Pb else None
+        self.columns = torch.arange(max(Wb, Pb), device=dev)
+        self.bias1 = torch.zeros((Rb, 1, groups, Wb), dtype=dt, device=dev)
+        self.bias0 = torch.zeros((1, 1, 1, Pb), dtype=dt, device=dev) if Pb else None
+        self.logits = torch.zeros((Rb, vocab), dtype=torch.float32, device=dev)
+
+    def fill(self, ids, positions, new_slots, table, pads, prefix) -> None:
+        """Copy one step's host arrays in, one host-to-device copy: ``ids`` / ``positions`` /
+        ``new_slots`` ``int64 [R]``, ``table`` ``int64 [R, W]`` (left-padded with slot 0, new
+        slot last), ``pads`` ``int64 [R]`` (padding columns per row), ``prefix`` ``int64 [P]``.
+        A padded row (``R <= row < Rb``) reads only its last real column: its own new token,
+        written to the dummy slot 0."""
+        Rb, Wb, Pb = self.key
+        R, W = table.shape
+        host = np.zeros(self.packed.shape[0], dtype=np.int64)
+        head = host[:4 * Rb].reshape(4, Rb)
+        head[0, :R], head[1, :R], head[2, :R] = ids, positions, new_slots
+        head[3, :] = W - 1
+        head[3, :R] = pads
+        host[4 * Rb:4 * Rb + Rb * Wb].reshape(Rb, Wb)[:R, :W] = table
+        host[4 * Rb + Rb * Wb:4 * Rb + Rb * Wb + len(prefix)] = prefix
+        host[-2:] = W, len(prefix)
+        self.packed.copy_(torch.from_numpy(host))
+
+    def prepare(self) -> None:
+        """Build the biases from ``packed`` on the device (kernels of the captured graph)."""
+        Rb, Wb, Pb = self.key
+        cols = self.columns[:Wb]
+        keep = (cols[None, :] >= self.first[:, None]) & (cols[None, :] < self.sizes[0])
+        self.bias1.copy_(torch.where(keep, 0.0, float("-inf"))[:, None, None, :]
+                         .expand_as(self.bias1))
+        if Pb:
+            self.bias0.copy_(torch.where(self.columns[:Pb] < self.sizes[1], 0.0,
+                                         float("-inf")).view(1, 1, 1, Pb))
+
+
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     **kwargs):
+    """The ``"genback_decode"`` attention function (transformers' attention-interface signature).
+
+    query: [Rb, Hq, 1, D]; key/value: [Rb, Hkv, 1, D] (already written to the pool by the cache).
+    Returns ``(out [Rb, 1, Hq, D], None)``.
+
+    Raises:
+        RuntimeError: called with no decode step active.
+    """
+    b = tree_attention.current()
+    if not isinstance(b, DecodeBuffers):
+        raise RuntimeError("genback_decode attention was called outside a genback decode step")
+    layer = module.layer_idx
+    Rb, Hq, _, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    Wb = b.key[1]
+    scale = scaling if scaling is not None else D ** -0.5
+    store = b.pool.store[layer]  # [2, Hkv, capacity, D]
+    qg = query.reshape(Rb, Hkv, G, D)  # head h reads KV head h // G
+    kv = store.index_select(2, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
+    out, lse = tree_attention._attend(qg, kv[0], kv[1], scale, "flash", b.bias1)
+    if b.prefix is not None:  # level 0: the shared prefix, read once for all rows
+        o0, l0 = _prefix_attention(store, b, qg, scale)
+        out, lse = tree_attention._merge(out.float(), lse, o0, l0)
+    out = out.to(query.dtype).reshape(Rb, Hq, 1, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# a fused attention kernel works on tiles of 64 queries: fewer than this many (kv head, query
+# tile) pairs leave most of an H100's 132 multiprocessors idle, so the prefix is split
+SPLIT_TARGET_BLOCKS = 128
+
+
+def _splits(Pb: int, Hkv: int, queries: int) -> int:
+    """How many chunks of the padded prefix ``Pb`` (a multiple of 256) level 0 attends to in
+    parallel: enough (kv head, query tile, chunk) triples to fill the device, each chunk of at
+    least 256 keys, and every chunk holding a real key (the prefix's padding is < 256)."""
+    tiles = Hkv * -(-queries // 64)
+    return max(1, min(Pb // 256, SPLIT_TARGET_BLOCKS // tiles))
+
+
+def _prefix_attention(store, b: DecodeBuffers, qg, scale: float):
+    """Level 0: every row's queries over the shared prefix, split into chunks attended in
+    parallel and merged by log-sum-exp (split-K, FlashAttention's "flash-decoding", Dao et al.
+    2023), returning float32 ``(out [Rb, Hkv, G, D], lse [Rb, Hkv, G])``.
+
+    qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` and bias ``b.bias0``."""
+    Rb, Hkv, G, D = qg.shape
+    Pb = b.prefix.shape[0]
+    S = _splits(Pb, Hkv, Rb * G)
+    C = Pb // S
+    kv0 = store.index_select(2, b.prefix)  # [2, Hkv, Pb, D]
+    k0 = kv0[0].view(Hkv, S, C, D).transpose(0, 1)  # [S, Hkv, C, D]
+    v0 = kv0[1].view(Hkv, S, C, D).transpose(0, 1)
+    q0 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
+    if S > 1:
+        q0 = q0.expand(S, -1, -1, -1).contiguous()
+    bias0 = b.bias0.view(S, 1, 1, C).expand(S, 1, Rb * G, C)
+    o0, l0 = tree_attention._attend(q0, k0, v0, scale, "flash", bias0)  # [S, Hkv, RbG, D]
+    if S > 1:
+        total = torch.logsumexp(l0, dim=0)  # [Hkv, RbG]
+        o0 = (torch.exp(l0 - total)[..., None] * o0.float()).sum(dim=0)
+        l0 = total
+    else:
+        o0, l0 = o0[0].float(), l0[0]
+    o0 = o0.reshape(Hkv, Rb, G, D).transpose(0, 1)
+    return o0, l0.reshape(Hkv, Rb, G).transpose(0, 1)
