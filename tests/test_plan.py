@@ -401,9 +401,11 @@ def test_a_paths_match_is_set_once():
 
 
 @pytest.mark.parametrize("decode", ["auto", "eager"])  # (the tree path; the GPU's decode step)
+@pytest.mark.parametrize("api", ["gather", "batch_sync"])
 async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok, monkeypatch,
-                                                              decode):
-    """An SMC run through the public API (shared prompt, resampling): every step after the
+                                                              decode, api):
+    """An SMC run through the public API (shared prompt, resampling; concurrent
+    ``next_token_logprobs`` calls, or ``batch_next_token_logprobs_sync``): every step after the
     prompt is planned by plan_step (no plan_batch, no tree match), one forward per step, no
     context is copied whole (no flat tuple of a step's context is built: genback.context), and
     every row equals an uncached forward."""
@@ -428,7 +430,10 @@ async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok,
             lambda c: (c._flat is None and flattened.append(len(c))) or flat(c)))
         forwards, worst, refs = lm.forwards, 0.0, {}
         for contexts in trace:
-            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            if api == "gather":
+                rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+            else:
+                rows = lm.batch_next_token_logprobs_sync(contexts)
             assert not flattened
             worst = max(worst, _max_err(rows, contexts, lm, refs))
             flattened.clear()  # (the check's own forwards may flatten: not the step's)

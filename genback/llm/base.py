@@ -218,8 +218,7 @@ class AsyncLM:
         It computes on the calling thread (no batching) and shares the caches.
         """
         front = self.front
-        adapter = front.adapter_key(lora_name)
-        return front.rows_sync([front.context(token_ids)[0]], adapter)[0]
+        return front.rows_sync([front.next_token(token_ids, front.adapter_key(lora_name))])[0]
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1), row ``i`` that of
@@ -242,8 +241,8 @@ class AsyncLM:
         front = self.front
         contexts = check_list(token_ids_list, "token_ids_list")
         adapter = front.adapter_key(lora_name)
-        return front.rows_sync([front.context(ids, f"token_ids_list[{i}]")[0]
-                                for i, ids in enumerate(contexts)], adapter)
+        return front.rows_sync([front.next_token(ids, adapter, f"token_ids_list[{i}]")
+                                for i, ids in enumerate(contexts)])
 
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
         """Log-prob of each continuation token given the context and the tokens before it.

@@ -206,14 +206,14 @@ class Front:
                 raise value
         return results
 
-    def rows_sync(self, contexts: list[tuple[int, ...]], adapter: int | None = None):
-        """Rows for checked contexts under ``adapter``, computed on this thread in one batch:
-        float32 ``[len(contexts), V]`` (stacked: the caller's own copy).
+    def rows_sync(self, queries: list[NextToken]):
+        """Rows of next-token queries (:meth:`next_token`'s: their contexts checked, with the
+        lineage hint an SMC step's runner uses), computed on this thread in one batch: float32
+        ``[len(queries), V]`` (stacked: the caller's own copy).
 
         Raises:
             Exception: as :meth:`ask_sync`.
         """
-        queries = [NextToken(t, adapter) for t in contexts]
         distinct = list(dict.fromkeys(queries))
         rows = dict(zip(distinct, self.ask_sync(distinct)))
         return torch.stack([rows[q] for q in queries])
