@@ -143,6 +143,46 @@ def test_steps_too_wide_for_one_forward_run_in_chunks_of_rows(tiny_hf, gpt2_tok,
                                    atol=1e-5)
 
 
+def test_a_split_run_keeps_its_chunks_and_tries_the_whole_every_refresh(tiny_hf, gpt2_tok,
+                                                                       monkeypatch):
+    """Table limit lowered to 256 slots, 8 rows of ~100 own tokens growing a token a step: the
+    first step tries the whole, halves, then quarters (6 layouts); the next steps lay out their
+    quarters at once (4 layouts, from the last step's chunks: lane steps counted) until
+    REFRESH steps have passed, when the whole is tried again; every row stays exact."""
+    from genback.runners.hf import decode_step
+    from genback.runners.hf.lanes import REFRESH
+
+    monkeypatch.setattr(decode_step, "MAX_TABLE_SLOTS", 256)
+    calls = []
+    layout = decode_step.DecodeStep.layout
+
+    def counted(self, group, lanes=None):
+        calls[-1] += 1
+        return layout(self, group, lanes)
+
+    monkeypatch.setattr(decode_step.DecodeStep, "layout", counted)
+    rng = random.Random(9)
+    prompt = [300 + rng.randrange(400) for _ in range(20)]
+    parts = [prompt + [100 + i] + [100 + rng.randrange(400) for _ in range(98)]
+             for i in range(8)]
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.2, row_cache_size=0,
+                          decode="eager")
+    try:
+        lm.cache_kv(prompt)
+        lm.batch_next_token_logprobs_sync(parts)
+        for _ in range(REFRESH + 2):
+            parts = [p + [100 + rng.randrange(400)] for p in parts]
+            calls.append(0)
+            rows = lm.batch_next_token_logprobs_sync(parts)
+            assert _max_err(rows, parts, lm) <= 1e-5
+        info = lm.cache_info()
+        assert calls == [6] + [4] * (REFRESH - 1) + [6, 4], calls
+        assert info["decode_split_steps"] == REFRESH + 2
+        assert info["decode_steps"] == 4 * (REFRESH + 2) and info["decode_lane_steps"] >= REFRESH
+    finally:
+        lm.close()
+
+
 def test_a_step_split_at_most_into_quarters_then_takes_the_tree_path(tiny_hf, gpt2_tok,
                                                                      monkeypatch):
     """With the table limit lowered to 256 slots: 8 rows of 100 own tokens (8 x 128) run as
@@ -339,16 +379,18 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
     checked = []
     layout = decode_step.DecodeStep.layout
 
-    def spy(self, group):
-        arrays = layout(self, group)
-        ids, positions, new_slots, table, pads, prefix = arrays
+    def spy(self, group, lanes=None):
+        out = layout(self, group, lanes)
+        if out is None:
+            return out
+        ids, positions, new_slots, table, pads, prefix = out[0]
         for i, p in enumerate(group):
             tree = [s for _, _, s in prefix_segments(p.holder, p.cached)]
             want = np.concatenate(tree + [new_slots[i:i + 1]])
             got = np.concatenate([prefix, table[i, pads[i]:]])
             assert np.array_equal(got, want) and positions[i] == p.cached
         checked.append(len(group))
-        return arrays
+        return out
 
     monkeypatch.setattr(decode_step.DecodeStep, "layout", spy)
     steps = 2 * REFRESH + 5

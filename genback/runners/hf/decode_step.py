@@ -54,7 +54,7 @@ import torch
 from . import tree_attention
 from .cascade import DecodeBuffers, decode_attention
 from .kv_pool import KVPool
-from .lanes import Lanes
+from .lanes import REFRESH, Lanes
 from .segments import split_segments
 from .tree_cache import TreeCache
 
@@ -151,7 +151,9 @@ class DecodeStep:
         self.graph_bytes = 0
         self.failed: str | None = None
         self.min_prefix = 1
-        self._lanes: Lanes | None = None  # the last step's rows (see .lanes)
+        self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
+        self._rows = 0  # the last step's rows
+        self._split_age = 0  # steps split alike since the whole step was tried
         tree_attention.register(NAME, decode_attention)
 
     def stats(self) -> dict:
@@ -166,50 +168,56 @@ class DecodeStep:
         self.graphs.clear()
         self.buffers.clear()
         self._mempool = None
-        self._lanes = None
+        self._lanes = []
 
     def layouts(self, group) -> list[tuple[int, int, tuple]] | None:
         """The step as ``[(start, stop, arrays), ...]``: contiguous chunks of rows
         ``group[start:stop]`` in order, each with :meth:`layout`'s arrays (its new slots taken
-        from the pool). One chunk when the step fits one forward; else halves, then quarters
-        (at most :data:`MAX_CHUNKS`), each laid out from the tree. None (nothing taken from the
-        pool) when even those do not fit: then the tree path runs it."""
-        arrays = self.layout(group)
-        if arrays is not None:
-            return [(0, len(group), arrays)]
-        parts: list = []
-        if len(group) > 1 and self._split(group, 0, len(group), MAX_CHUNKS // 2, parts):
-            self.split_steps += 1
-            return parts
-        for _, _, arrays in parts:  # (the chunks laid out before one did not fit)
-            self.pool.free(arrays[2])
-        self._lanes = None
+        from the pool). One chunk when the step fits one forward; else 2, then
+        :data:`MAX_CHUNKS` equal chunks. A step with as many rows as the last one, which was
+        split, is split alike at once (each chunk laid out from the same chunk of the last
+        step when its rows extend those, :class:`.lanes.Lanes`), the whole tried again every
+        :data:`.lanes.REFRESH` steps. None (nothing taken from the pool) when the chunks do
+        not fit either: then the tree path runs it."""
+        R, last = len(group), self._lanes
+        n = start = (len(last) if len(last) > 1 and R == self._rows
+                     and self._split_age < REFRESH else 1)
+        while n <= MAX_CHUNKS and n <= max(1, R):
+            parts, made = [], []
+            for j in range(n):
+                a, b = R * j // n, R * (j + 1) // n
+                out = self.layout(group[a:b], last[j] if len(last) == n else None)
+                if out is None:
+                    break
+                parts.append((a, b, out[0]))
+                made.append(out[1])
+            else:
+                self._lanes, self._rows = made, R
+                self.lane_steps += sum(1 for lanes in made if lanes.age)
+                if n > 1:
+                    self.split_steps += 1
+                    self._split_age = 1 if start == 1 else self._split_age + 1
+                else:
+                    self._split_age = 0
+                return parts
+            for _, _, arrays in parts:  # (the chunks laid out before one did not fit)
+                self.pool.free(arrays[2])
+            n *= 2
+        self._lanes = []
         return None
 
-    def _split(self, group, start: int, stop: int, splits: int, parts: list) -> bool:
-        """Lay out ``group[start:stop]`` as two halves, each split again while it does not fit
-        and ``splits`` allows (``splits``: the chunks one half may become); appends to
-        ``parts``; False when a chunk does not fit."""
-        mid = (start + stop) // 2
-        for a, b in ((start, mid), (mid, stop)):
-            arrays = self.layout(group[a:b])
-            if arrays is not None:
-                parts.append((a, b, arrays))
-            elif splits < 2 or b - a < 2 or not self._split(group, a, b, splits // 2, parts):
-                return False
-        return True
-
-    def layout(self, group) -> tuple | None:
-        """The step's host arrays, or None when it is too wide for this path: ``(ids,
-        positions, new_slots, table, pads, prefix)`` (see :meth:`DecodeBuffers.fill`; new slots
-        are taken from the pool here). When every path extends a context of the last step by
-        one token, the table is that step's rows plus a column (:class:`.lanes.Lanes`);
-        otherwise, or every :data:`.lanes.REFRESH` steps, the tree's segments are laid out
-        again (:func:`.segments.split_segments`)."""
+    def layout(self, group, lanes: Lanes | None = None) -> tuple[tuple, Lanes] | None:
+        """The host arrays of one forward over ``group`` and their :class:`.lanes.Lanes`, or
+        None when it is too wide for this path. The arrays: ``(ids, positions, new_slots,
+        table, pads, prefix)`` (see :meth:`.cascade.DecodeBuffers.fill`; new slots are taken
+        from the pool here). When every path extends a context of ``lanes`` (a last forward's
+        rows) by one token, the table is those rows plus a column; otherwise, or every
+        :data:`.lanes.REFRESH` steps, the tree's segments are laid out again
+        (:func:`.segments.split_segments`)."""
         R = len(group)
         if R > MAX_ROWS:
             return None
-        pool, lanes, past = self.pool, self._lanes, None
+        pool, past = self.pool, None
         rows = None if lanes is None else lanes.rows(group, pool.frees)
         if rows is not None:  # the last step's rows, gathered (see .lanes)
             past, pads = lanes.gather(rows)
@@ -225,7 +233,6 @@ class DecodeStep:
                       else np.empty(0, dtype=np.int64))
             width = int(private.path_lengths().max()) + 1 if R else 1
             if _pow2(R) * bucket(R, width, 0)[1] > MAX_TABLE_SLOTS:
-                self._lanes = None
                 return None
             new_slots = pool.alloc(R)
             table, pads = private.layout(new_slots[:, None])
@@ -233,11 +240,10 @@ class DecodeStep:
         else:
             new_slots = pool.alloc(R)
             table = np.concatenate([past, new_slots[:, None]], axis=1)
-            self.lane_steps += 1
-        self._lanes = Lanes(group, table, pads, prefix, pool.frees, age)
         ids = np.fromiter((p.tokens[-1] for p in group), dtype=np.int64, count=R)
         positions = np.fromiter((p.cached for p in group), dtype=np.int64, count=R)
-        return ids, positions, new_slots, table, pads, prefix
+        return ((ids, positions, new_slots, table, pads, prefix),
+                Lanes(group, table, pads, prefix, pool.frees, age))
 
     def run(self, arrays) -> tuple[torch.Tensor, int]:
         """Run one step from :meth:`layout`'s arrays; return the rows' logits float32 ``[R, V]``
