@@ -76,7 +76,9 @@ def test_each_query_of_a_step_is_matched_against_the_tree_once(tiny_hf, gpt2_tok
     match = lm.runner.tree.match
     lm.runner.tree.match = lambda *a, **k: calls.append(1) or match(*a, **k)
     try:
-        particles = [c + [7] for c in particles]
+        # two tokens on: no known parent, so the general planner matches each query (a one-token
+        # step is planned from its parent's note, without a match: the test below)
+        particles = [c + [7, 8] for c in particles]
         forwards = lm.forwards
         lm.batch_next_token_logprobs_sync(particles)
         assert len(calls) == 16 and lm.forwards == forwards + 1
