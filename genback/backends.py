@@ -1,15 +1,18 @@
 """The one table of model backends: ``load_model_by_name``, the evaluation engine and the command
 line all take their backend names, classes and install hints from here.
 
-Importing this module imports no backend (no torch, vLLM or MLX); :func:`backend_class` imports
-``genback.llm`` when a class is asked for.
+Each backend is one folder, ``genback/runners/<name>/``, its facade (``model.py``, an
+:class:`~genback.core.lm.AsyncLM` subclass) beside its runner. Importing this module imports no
+backend (no torch, vLLM or MLX): :func:`backend_class` imports a backend's ``model`` module by its
+path when its class is asked for. Adding a backend is its folder plus one row here.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-__all__ = ["Backend", "BACKENDS", "BACKEND_NAMES", "check_backend", "backend_class"]
+__all__ = ["Backend", "BACKENDS", "BACKEND_NAMES", "check_backend", "backend_class", "class_backend"]
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,7 @@ class Backend:
 
     Attributes:
         name: what users pass (``backend="hf"``, ``--backend hf``).
-        class_name: the ``AsyncLM`` subclass in ``genback.llm`` that serves it.
+        class_name: the ``AsyncLM`` subclass that serves it (exported by ``genback.llm``).
         summary: one line for help texts.
         install: how to install what it needs beyond genback's own dependencies ("" if nothing).
     """
@@ -27,6 +30,11 @@ class Backend:
     class_name: str
     summary: str
     install: str = ""
+
+    @property
+    def module(self) -> str:
+        """The module that defines ``class_name``: ``genback.runners.<name>.model``."""
+        return f"genback.runners.{self.name}.model"
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
@@ -56,11 +64,15 @@ def check_backend(name) -> str:
 
 
 def backend_class(name: str) -> type:
-    """The ``AsyncLM`` class of backend ``name`` (imports ``genback.llm``).
+    """The ``AsyncLM`` class of backend ``name`` (imports that backend's ``model`` module only).
 
     Raises:
         ValueError: an unknown backend.
     """
-    from . import llm
+    backend = BACKENDS[check_backend(name)]
+    return getattr(importlib.import_module(backend.module), backend.class_name)
 
-    return getattr(llm, BACKENDS[check_backend(name)].class_name)
+
+def class_backend(class_name: str) -> Backend | None:
+    """The backend whose class is named ``class_name`` (``"AsyncTransformer"`` -> ``hf``), or None."""
+    return next((b for b in BACKENDS.values() if b.class_name == class_name), None)

@@ -10,12 +10,12 @@ in the same process, *before* those clients are imported, every such import gets
 objects instead:
 
 * ``genlm.backend``: a facade module over genback (below);
-* ``genlm.backend.llm`` and its ``.base``, ``.hf``, ``.vllm``, ``.mlx``: ``genback.llm`` and the
-  submodules of the same names;
+* ``genlm.backend.llm``: ``genback.llm``; its ``.base``: ``genback.core.lm`` (``AsyncLM``); its
+  ``.hf``, ``.vllm``, ``.mlx``: each backend's facade module, ``genback.runners.<name>.model``;
 * ``genlm.backend.tokenization`` (``.token``, ``.vocab``): ``genback.tokenization`` (same);
   ``.bytes`` (``get_byte_vocab``, ``ByteVocabError``, ``ByteDecoderError``):
   ``genback.tokenization.vocab``;
-* ``genlm.backend.cache`` (``OutputCache``): ``genback.output_cache``;
+* ``genlm.backend.cache`` (``OutputCache``): ``genback.core.output_cache``;
 * ``genlm.backend.trie`` (``.base``, ``.parallel``, ``.async_impl``): ``genback.trie`` (same).
 
 The facade ``genlm.backend`` has genlm-backend 0.3.1's top-level names (``load_model_by_name``,
@@ -43,15 +43,15 @@ __all__ = ["alias_genlm_backend", "remove_genlm_backend_alias", "is_aliased", "A
 #: ``genlm.backend`` submodule name -> the genback module it resolves to.
 ALIASED_MODULES: dict[str, str] = {
     "genlm.backend.llm": "genback.llm",
-    "genlm.backend.llm.base": "genback.llm.base",
-    "genlm.backend.llm.hf": "genback.llm.hf",
-    "genlm.backend.llm.vllm": "genback.llm.vllm",
-    "genlm.backend.llm.mlx": "genback.llm.mlx",
+    "genlm.backend.llm.base": "genback.core.lm",
+    "genlm.backend.llm.hf": "genback.runners.hf.model",
+    "genlm.backend.llm.vllm": "genback.runners.vllm.model",
+    "genlm.backend.llm.mlx": "genback.runners.mlx.model",
     "genlm.backend.tokenization": "genback.tokenization",
     "genlm.backend.tokenization.token": "genback.tokenization.token",
     "genlm.backend.tokenization.vocab": "genback.tokenization.vocab",
     "genlm.backend.tokenization.bytes": "genback.tokenization.vocab",
-    "genlm.backend.cache": "genback.output_cache",
+    "genlm.backend.cache": "genback.core.output_cache",
     "genlm.backend.trie": "genback.trie",
     "genlm.backend.trie.base": "genback.trie.base",
     "genlm.backend.trie.parallel": "genback.trie.parallel",

@@ -10,7 +10,7 @@ extension starts a new flat base (one O(length) copy per :data:`TAIL_MAX` steps)
 rope of string libraries (Boehm, Atkinson and Plass, 1995, "Ropes: an alternative to
 strings"), kept to two pieces.
 
-The front's memory of validated contexts (:class:`genback.llm.inputs.ContextChecker`) makes
+The front's memory of validated contexts (:class:`genback.core.inputs.ContextChecker`) makes
 them; a query carries one as its :attr:`genback.query.Query.context`, and its flat tuple
 (:attr:`Context.tokens`) is built only when something asks for it (then kept): the HF runner's
 uniform decode step reads a context's length, its last token and a slice of its tail only.

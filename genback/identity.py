@@ -3,7 +3,7 @@ touching the objects.
 
 An SMC program extends each particle's context by one token per step and passes it as a new
 list (``context + [token]``). The front checks it against its parent's validated context
-(:class:`genback.llm.inputs.ContextChecker`: the flat ``base`` tuple of a
+(:class:`genback.core.inputs.ContextChecker`: the flat ``base`` tuple of a
 :class:`genback.context.Context`); the caller's list holds the parent's very int
 objects (it was built from the list the parent came from), so the check is a question of
 identity. Asked in Python (``tuple(ids) == parent + (last,)``) it costs two new tuples, one

@@ -1,6 +1,6 @@
 """The runner protocol: *what* a backend computes, separated from *when* (the scheduler).
 
-``AsyncLM`` composes a front (input checks, the output cache, counters: :mod:`genback.llm.front`),
+``AsyncLM`` composes a front (input checks, the output cache, counters: :mod:`genback.core.front`),
 a scheduler and one runner. A runner owns its model state (for AsyncTransformer the KV prefix
 tree), plans each batch against it (so the token and memory budgets live where the cache is, as
 the scheduler of nano-vllm owns its block manager), runs the forwards and returns the results.
@@ -106,7 +106,7 @@ class EngineRunner(Runner, Protocol):
 
 @runtime_checkable
 class AdapterRunner(Runner, Protocol):
-    """A runner that loads LoRA adapters (``adapters=True``; :mod:`genback.llm.adapters`)."""
+    """A runner that loads LoRA adapters (``adapters=True``; :mod:`genback.core.adapters`)."""
 
     def add_adapter(self, path: str) -> int:
         """Load the adapter folder ``path``; return its new key (never reused)."""
@@ -145,7 +145,7 @@ class TreeRunner(Runner, Protocol):
         """One full forward of ``tokens`` alone, no cache: float32 ``[V]`` log-probs."""
 
     def picture(self, decode, max_nodes: int = 200, adapter: int | None = None):
-        """The tree as a ``graphviz.Digraph`` (:func:`genback.runners.hf.picture.draw`)."""
+        """The tree as a ``graphviz.Digraph`` (:func:`genback.runners.hf.cache.picture.draw`)."""
 
 
 def check_pin_budget(n_tokens: int, token_bytes: int, pinned: int, budget: int) -> None:

@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from genback.context import TAIL_MAX, Context, flat
-from genback.llm.inputs import ContextChecker
+from genback.core.inputs import ContextChecker
 from genback.query import NextToken, context_hash
 
 from test_identity import spy_identity

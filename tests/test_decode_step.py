@@ -1,4 +1,4 @@
-"""The uniform decode step (genback.runners.hf.decode_step): the static-buffer two-level cascade
+"""The uniform decode step (genback.runners.hf.decode.step): the static-buffer two-level cascade
 run eagerly on the CPU against the tree path and an uncached forward, on the tiny random GPT-2
 and the real SmolLM2; which steps take it (counted), its buckets, and its slot layout."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode_step import bucket
+from genback.runners.hf.decode.step import bucket
 
 from test_llm_tree import _max_err, _smc_trace
 
@@ -210,7 +210,7 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
     over the real prefix keys; the padding past the prefix is masked, whatever its values."""
     from types import SimpleNamespace
 
-    from genback.runners.hf.cascade import _prefix_attention, _splits
+    from genback.runners.hf.decode.cascade import _prefix_attention, _splits
 
     torch.manual_seed(rows)
     Hkv, D, cap = 2, 16, 2048
@@ -256,9 +256,9 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
     is the last step's rows plus a column (counted), and every row's slots (level 0, then its
     row without padding) are the tree's slots of its cached context plus its new slot, checked
     against a walk of the tree at every step; rows equal an uncached forward."""
-    from genback.runners.hf import decode_step
-    from genback.runners.hf.lanes import REFRESH
-    from genback.runners.hf.segments import prefix_segments
+    from genback.runners.hf.decode import step as decode_step
+    from genback.runners.hf.decode.lanes import REFRESH
+    from genback.runners.hf.cache.walks import prefix_segments
 
     checked = []
     layout = decode_step.DecodeStep.layout

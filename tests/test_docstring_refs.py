@@ -133,6 +133,6 @@ def test_every_docstring_reference_resolves():
                                        ("genback.window.nothing_here", False),
                                        (".plan.nothing", False)])
 def test_the_resolver_tells_names_from_nothing(target, ok):
-    from genback.llm import front
+    from genback.core import front
 
-    assert _resolves(target, front, "genback.llm.front", False, None) is ok
+    assert _resolves(target, front, "genback.core.front", False, None) is ok

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from genback.batcher import BatchAbandoned, BatcherClosed
-from genback.output_cache import OutputCache
+from genback.core.output_cache import OutputCache
 
 
 def test_output_cache_mapping_api_is_lru():

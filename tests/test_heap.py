@@ -54,7 +54,7 @@ def test_validated_contexts_are_untracked_by_the_garbage_collector():
     import gc
 
     from genback.heap import UNTRACK_MIN, untrack_ids
-    from genback.llm.inputs import ContextChecker
+    from genback.core.inputs import ContextChecker
 
     checker = ContextChecker(vocab_size=50_000)
     prompt = [1000 + i for i in range(UNTRACK_MIN + 300)]  # ints the interpreter does not cache
@@ -91,7 +91,7 @@ def test_kv_tree_edges_are_untracked_by_the_garbage_collector():
     import numpy as np
 
     from genback.heap import UNTRACK_MIN
-    from genback.runners.hf.kvtree import KVTree
+    from genback.runners.hf.cache.kvtree import KVTree
 
     def kv(n):  # n pool slots (the tree only indexes them here)
         return np.arange(1, n + 1)

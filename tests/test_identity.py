@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from genback import identity
 from genback.identity import same_items
-from genback.llm import inputs
-from genback.llm.inputs import IDENTITY_MIN, ContextChecker
+from genback.core import inputs
+from genback.core.inputs import IDENTITY_MIN, ContextChecker
 
 
 def test_it_is_available_on_this_interpreter():

@@ -283,7 +283,7 @@ async def test_batch_size_set_after_construction_takes_effect(tiny_hf, gpt2_tok)
 
 
 def test_match_probes_do_not_reorder_the_lru():
-    from genback.runners.hf.kvtree import KVTree
+    from genback.runners.hf.cache.kvtree import KVTree
 
     tree = KVTree(10_000)
     tree.insert((1, 2), 0, np.array([1, 2]))

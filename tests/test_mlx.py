@@ -240,7 +240,7 @@ def test_bad_input_names_argument(mlx_lm):
 def test_genlm_backend_constructor_names_and_mlx_lm_load(mlx_lm):
     import mlx_lm as mlx_lm_pkg
 
-    from genback.llm.mlx import _config_overrides
+    from genback.runners.mlx.model import _config_overrides
     from genback.registry import resolve
     from mlx_lm.utils import load_config
     from pathlib import Path

@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genback.llm import AsyncTransformer
-from genback.llm.inputs import ContextChecker
+from genback.core.inputs import ContextChecker
 from genback.query import NextToken, Prefill, Score
-from genback.runners.hf.kv_pool import KVPool
-from genback.runners.hf.kvtree import KVTree, common_prefix_length
-from genback.runners.hf.plan import ForwardBudget, Path, group_paths, plan_batch, plan_step
+from genback.runners.hf.cache.kv_pool import KVPool
+from genback.runners.hf.cache.kvtree import KVTree, common_prefix_length
+from genback.runners.hf.plan.batch import Path, group_paths, plan_batch, plan_step
+from genback.runners.hf.plan.budget import ForwardBudget
 from genback.query import Step
 from genback.sampling import Pick, SamplingParams
 
@@ -195,7 +196,7 @@ async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
     torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), keep, rtol=0, atol=0)
     # two callers of one new context in one batch (the batcher's copy for the second), beside
     # others: each gets its own row, a view of a block of at most HOST_OWNED_BLOCK_BYTES
-    from genback.llm.front import HOST_OWNED_BLOCK_BYTES
+    from genback.core.front import HOST_OWNED_BLOCK_BYTES
 
     new = [ctx + [15], ctx + [15]] + [ctx + [16, t] for t in range(40)]
     rows = await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in new))

@@ -1,4 +1,4 @@
-"""The union of a forward's paths (genback.runners.hf.segments) and the private pasts' slot layout
+"""The union of a forward's paths (genback.runners.hf.plan.segments) and the private pasts' slot layout
 from it, against brute force: each path's segments listed one by one from the tree, counted per
 path, laid out by concatenation. Random trees with splits after matching (a later insertion of the
 same level splits a holder's edge) and compaction; every path's KV is read back token by token."""
@@ -12,10 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback.runners.hf.kv_pool import KVPool
-from genback.runners.hf.kvtree import KVTree
-from genback.runners.hf.plan import Path
-from genback.runners.hf.segments import SegmentTable, prefix_segments, split_segments
+from genback.runners.hf.cache.kv_pool import KVPool
+from genback.runners.hf.cache.kvtree import KVTree
+from genback.runners.hf.plan.batch import Path
+from genback.runners.hf.cache.walks import prefix_segments
+from genback.runners.hf.plan.segments import SegmentTable, split_segments
 
 
 def _kv(tokens: tuple, start: int) -> torch.Tensor:

@@ -1,13 +1,19 @@
-"""Async language models: ``AsyncLM`` and its backends, and ``load_model_by_name``."""
+"""Async language models: ``AsyncLM``, its backends' classes, and ``load_model_by_name``.
+
+Public exports only. ``AsyncLM`` is :mod:`genback.core.lm`'s; each backend's class
+(``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) is imported from its
+folder ``genback.runners.<name>.model`` the first time it is asked for (:mod:`genback.backends`,
+the one table), so ``from genback.llm import AsyncTransformer`` does not import vLLM's or MLX's
+facade.
+"""
 
 from __future__ import annotations
 
+from ..backends import BACKEND_NAMES as _BACKENDS  # the one table of backends
+from ..backends import backend_class, class_backend
 from ..batcher import BatcherClosed
-from .base import AsyncLM, Query
-from .hf import AsyncTransformer
-from .mlx import AsyncMlxLM
-from .mock import MockAsyncLM
-from .vllm import AsyncVirtualLM
+from ..core.lm import AsyncLM
+from ..query import Query
 
 __all__ = [
     "AsyncLM",
@@ -20,8 +26,15 @@ __all__ = [
     "load_model_by_name",
 ]
 
-from ..backends import BACKEND_NAMES as _BACKENDS  # the one table of backends
-from ..backends import backend_class
+
+def __getattr__(name: str):
+    """A backend's class, imported from its folder on first use (``genback.llm.AsyncTransformer``)."""
+    backend = class_backend(name)
+    if backend is None:
+        raise AttributeError(f"module 'genback.llm' has no attribute {name!r}")
+    cls = backend_class(backend.name)
+    globals()[name] = cls
+    return cls
 
 
 def _default_backend() -> str:

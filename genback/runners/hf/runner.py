@@ -1,8 +1,8 @@
 """``HFRunner``: the runner of ``AsyncTransformer`` (a transformers causal LM over a KV tree).
 
-It owns the KV prefix tree (:mod:`.kvtree`), plans each batch against it (:mod:`.plan`: the work
+It owns the KV prefix tree (:mod:`.cache.kvtree`), plans each batch against it (:mod:`.plan.batch`: the work
 of a query is the tokens it forwards beyond its cached prefix), runs the forwards
-(:mod:`.forward`: tree attention, or the dense path for models without the attention interface)
+(:mod:`.forward.run`: tree attention, or the dense path for models without the attention interface)
 and commits every forwarded token's KV to the tree.
 
 LoRA adapters (:mod:`.lora`): a query's ``adapter`` selects its tree root and the adapter the
@@ -18,15 +18,16 @@ import torch
 
 from ...query import Prefill, Query, Score
 from ...runner import Capabilities, check_pin_budget
-from . import tree_attention
+from .forward import attention as tree_attention
 from .memory import available_memory_bytes, trim_host_memory
-from .forward import _outputs, dense_forward, tree_forward
-from .decode_step import DecodeStep, is_uniform
-from .kvtree import KVTree
+from .forward.run import _outputs, dense_forward, tree_forward
+from .decode.step import DecodeStep, is_uniform
+from .cache.kvtree import KVTree
 from .lora import LoraAdapters
-from .kv_pool import CachedNode, KVPool
-from .picture import draw
-from .plan import (ForwardBudget, Output, Path, group_paths, plan_batch, plan_step,
+from .cache.kv_pool import CachedNode, KVPool
+from .cache.picture import draw
+from .plan.budget import ForwardBudget
+from .plan.batch import (Output, Path, group_paths, plan_batch, plan_step,
                    query_path)
 
 
@@ -52,14 +53,14 @@ class HFRunner:
         max_batch_tokens: most new tokens (padding included) one forward computes.
         max_forward_bytes: bound on a forward's working set, attention scores and logits (None:
             a quarter of the free memory, at most 2 GiB); larger queries are answered in pieces
-            (:meth:`.plan.ForwardBudget.pieces`), and one that cannot fit fails alone.
+            (:meth:`.plan.budget.ForwardBudget.pieces`), and one that cannot fit fails alone.
         min_shared_tokens: a cached segment under ``n`` rows is read once for all of them when
-            ``(n - 1) * length`` reaches this (see :func:`.segments.split_segments`).
+            ``(n - 1) * length`` reaches this (see :func:`.plan.segments.split_segments`).
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
             ``"dense"``.
         row_device: where next-token rows are returned (None: the model's device).
         decode: ``"auto"``, ``"graphs"``, ``"eager"`` or ``"off"``: how uniform decode steps
-            run (:mod:`.decode_step`; ``"auto"``: CUDA graphs on a CUDA device with tree
+            run (:mod:`.decode.step`; ``"auto"``: CUDA graphs on a CUDA device with tree
             attention, else the tree path).
 
     Raises:
@@ -164,8 +165,8 @@ class HFRunner:
 
     def _answer(self, queries: list[Query]) -> list:
         """Results of one adapter's queries: a uniform decode step as one level
-        (:func:`.plan.plan_step`); otherwise those too large for one forward in pieces, the
-        rest planned together (:func:`.plan.plan_batch`) and executed level by level."""
+        (:func:`.plan.batch.plan_step`); otherwise those too large for one forward in pieces, the
+        rest planned together (:func:`.plan.batch.plan_batch`) and executed level by level."""
         results: list = [None] * len(queries)
         step = plan_step(queries, self.tree.ends, queries[0].adapter, self.budget)
         if step is not None:  # an SMC or decoding step
@@ -202,7 +203,7 @@ class HFRunner:
                                parent=q.parent, segments=False)[1]
 
     def _run_pieces(self, q: Query, paths: list[Path]):
-        """Run the paths of ``q``'s pieces (:meth:`.plan.ForwardBudget.piece_paths`) one
+        """Run the paths of ``q``'s pieces (:meth:`.plan.budget.ForwardBudget.piece_paths`) one
         forward each, in order; return ``q``'s result (the target slices' log-probs, and greedy
         flags, joined in order)."""
         parts = []
@@ -270,7 +271,7 @@ class HFRunner:
         return CachedNode(node, self.pool), n, past
 
     def picture(self, decode, max_nodes: int = 200, adapter=None):
-        """The KV tree under ``adapter`` as a ``graphviz.Digraph`` (:func:`.picture.draw`)."""
+        """The KV tree under ``adapter`` as a ``graphviz.Digraph`` (:func:`.cache.picture.draw`)."""
         return draw(self.tree, decode, max_nodes, adapter)
 
     @torch.inference_mode()
@@ -303,10 +304,10 @@ class HFRunner:
 
     def _execute(self, level: list[Path], uniform: bool = False) -> list[tuple[Output, object]]:
         """Run one level of a plan: match its paths that are not matched yet, hold their cached
-        nodes, forward them in groups (:func:`.plan.group_paths`) and commit each forward's new
+        nodes, forward them in groups (:func:`.plan.batch.group_paths`) and commit each forward's new
         KV to the tree at once (a batch's new KV is never all held at one time). Returns
         ``(output, result)`` pairs. ``uniform``: the level is a uniform decode step
-        (:func:`.plan.plan_step`'s), not checked again."""
+        (:func:`.plan.batch.plan_step`'s), not checked again."""
         answered: list[tuple[Output, object]] = []
         held, new = [], []
         tree = self.tree
@@ -346,7 +347,7 @@ class HFRunner:
 
     def _evict(self) -> None:
         """Merge the nodes this call inserted with their single-child ancestors
-        (:meth:`.kvtree.KVTree.compact`: nothing is held any more), then evict to the budget;
+        (:meth:`.cache.kvtree.KVTree.compact`: nothing is held any more), then evict to the budget;
         every 64 MiB freed, hand the freed heap back to the OS (the tree's many small node
         tensors live on the heap, which glibc does not shrink itself)."""
         for node in self._inserted:
@@ -362,8 +363,8 @@ class HFRunner:
     def _forward(self, group: list[Path], uniform: bool = False) -> tuple[list, list]:
         """Forward ``group``; return each output's result (paths' outputs in order) and each
         path's new pool slots ``int64 [n_new]`` (their KV written). A uniform decode step of
-        the base model goes through :mod:`.decode_step` when it is on and the step fits (one
-        forward, or a few over chunks of its rows: :meth:`.decode_step.DecodeStep.layouts`)."""
+        the base model goes through :mod:`.decode.step` when it is on and the step fits (one
+        forward, or a few over chunks of its rows: :meth:`.decode.step.DecodeStep.layouts`)."""
         parts = None
         if self.decode is not None and not self.lora.loaded and (uniform or is_uniform(group)):
             parts = self.decode.layouts(group)

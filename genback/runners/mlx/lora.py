@@ -18,7 +18,7 @@ import itertools
 import json
 import os
 
-_CONFIG = "adapter_config.json"
+from ...core.adapters import ADAPTER_CONFIG as _CONFIG
 _WEIGHTS = "adapters.safetensors"
 
 

@@ -8,7 +8,7 @@ on the Python side over a pool of token slots (:class:`.kv_pool.KVPool`).
 
 Layout. A node's edge is a run of tokens; its ``slots`` (``int64 [len(edge)]``, host memory) are
 the pool slots that hold exactly those tokens' keys and values. The states of a context are the
-pool's slots along its path, in order; tree attention (:mod:`.tree_attention`) reads a shared
+pool's slots along its path, in order; tree attention (:mod:`..forward.attention`) reads a shared
 node's slots once for all the rows of a batch below it. Splitting or merging nodes splits or
 joins index arrays: KV never moves.
 
@@ -33,10 +33,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ...context import Context, flat
-from ...heap import untrack_ids
+from ....context import Context, flat
+from ....heap import untrack_ids
 from .ends import Ends
-from .segments import prefix_segments
+from .walks import prefix_segments
 
 
 class _Node:
@@ -118,7 +118,7 @@ class KVTree:
                 starts at that node: no token of the context is compared (an SMC step or a
                 decoding step costs the same for 100 tokens as for 16,000).
             segments: False: return None for the segments (the runner lists them for all the
-                paths of a forward at once, :mod:`.segments`); a walk from ``parent``'s node is
+                paths of a forward at once, :mod:`..plan.segments`); a walk from ``parent``'s node is
                 then O(1).
 
         Returns:

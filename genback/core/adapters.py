@@ -11,7 +11,56 @@ queries still pending fail with ``ValueError`` (the front, which owns this part,
 
 from __future__ import annotations
 
+import os
+
 from .inputs import check_lora
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that marks a folder as a LoRA adapter (peft's and mlx-lm's)."""
+
+
+def check_adapter_path(path) -> str:
+    """The folder holding the peft adapter ``path`` names (``adapter_config.json`` in it).
+
+    ``path`` is a local folder or a Hub id ``org/name``: a Hub id is read from the local Hugging
+    Face cache, or downloaded when the Hub can be used (``genback.registry.hub_offline_reason``).
+
+    Raises:
+        TypeError: ``path`` is not a str or path. ValueError: neither a folder nor a Hub id that
+            can be had, or no adapter in it.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"lora_path must be a str or path, got {type(path).__name__}: {path!r}")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        path = _hub_adapter(path)
+    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+        raise ValueError(f"lora_path {path!r} holds no peft adapter (no {ADAPTER_CONFIG}); save one with "
+                         "PeftModel.save_pretrained")
+    return path
+
+
+def _hub_adapter(repo_id: str) -> str:
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        raise ValueError(f"lora_path {repo_id!r} is not an existing folder (nor a Hub id "
+                         "'org/name')")
+    from huggingface_hub import snapshot_download, try_to_load_from_cache
+
+    from ..registry import hub_offline_reason
+
+    cached = try_to_load_from_cache(repo_id, ADAPTER_CONFIG)
+    if isinstance(cached, str):
+        return os.path.dirname(cached)
+    reason = hub_offline_reason()
+    if reason is not None:
+        raise ValueError(f"lora_path {repo_id!r} is not an existing folder, and as a Hub id it is "
+                         f"not in the local Hugging Face cache while the Hub cannot be used "
+                         f"({reason})")
+    try:
+        return snapshot_download(repo_id)
+    except Exception as exc:  # noqa: BLE001 - any download failure is a bad lora_path
+        raise ValueError(f"lora_path {repo_id!r} is not an existing folder and could not be "
+                         f"downloaded as a Hub id: {exc}") from exc
 
 
 class Adapters:
@@ -19,7 +68,7 @@ class Adapters:
 
     Args:
         runner: a runner with ``add_adapter`` / ``remove_adapter``.
-        front: the model's :class:`~genback.llm.front.Front`, which builds and owns this part
+        front: the model's :class:`~genback.core.front.Front`, which builds and owns this part
             (its forward lock is held while an adapter is loaded or freed; its output cache
             loses a retired adapter's rows).
     """
@@ -48,8 +97,6 @@ class Adapters:
                 layout other than that of the adapters already loaded).
             ImportError: the backend's adapter library is missing (``genback[lora]``).
         """
-        from ..runners.hf.lora import check_adapter_path
-
         if not isinstance(lora_name, str):
             raise TypeError(f"lora_name must be a str, got {type(lora_name).__name__}: "
                             f"{lora_name!r}")

@@ -4,9 +4,9 @@ It holds, as explicit parts:
 
 * the input checks: token ids (:class:`.inputs.ContextChecker`: a context that extends a validated
   one is checked in work independent of its length), the model's window;
-* the output cache (:class:`~genback.output_cache.OutputCache`) of next-token rows, written in one
+* the output cache (:class:`~genback.core.output_cache.OutputCache`) of next-token rows, written in one
   place (:meth:`Front.store`) for every scheduler;
-* the adapters (:class:`~genback.llm.adapters.Adapters`, when the runner declares them): names ->
+* the adapters (:class:`~genback.core.adapters.Adapters`, when the runner declares them): names ->
   keys (:meth:`Front.adapter_key`) and the errors of retired keys (:meth:`Front.adapter_error`);
 * the counters (``queries``, ``tokens_queried``);
 * the forward lock, which serialises the runner's use;
@@ -28,7 +28,7 @@ import torch
 
 from ..batcher import Batcher, BatcherClosed, Immediate
 from ..context import Context
-from ..output_cache import OutputCache
+from .output_cache import OutputCache
 from ..query import NextToken, Query, Score
 from ..runner import Capabilities
 from ..window import check_pair
@@ -338,7 +338,7 @@ class Front:
 # 128 MiB) would let a program that keeps one row per step hold 256 times its rows' memory
 OWNED_BLOCK_BYTES = 8 << 20
 # ... and of at most this many in host memory, where a block is a malloc (blocks of ~1 MiB are
-# recycled; larger ones are fresh pages each step: genback.runners.hf.forward's row blocks)
+# recycled; larger ones are fresh pages each step: genback.runners.hf.forward.run's row blocks)
 HOST_OWNED_BLOCK_BYTES = 1 << 20
 
 

@@ -1,13 +1,13 @@
 """``Lanes``: a decode step's rows of pool slots, kept so that the next step's layout is a gather.
 
-A uniform decode step (:mod:`.decode_step`) lays each row's private past out as a row of pool
+A uniform decode step (:mod:`.step`) lays each row's private past out as a row of pool
 slots (left-padded with the dummy slot 0, the slot of its new token last) after a prefix that
 every row shares (level 0 of the cascade). The next SMC or decoding step asks for each of those
 contexts plus one token, so its row is the same row plus one slot. Listing the tree's segments
-of every path again (:func:`.segments.split_segments`: a walk up from each holder, the union's
+of every path again (:func:`..plan.segments.split_segments`: a walk up from each holder, the union's
 columns, the chains, the expansion) costs ~2.6 µs per row at 256 rows on this project's CPU
 (``bench_host.py --decode eager``, measured); instead a step keeps its table, and which row
-each context has by the identity of the context object (as :class:`.ends.Ends` does), and the
+each context has by the identity of the context object (as :class:`..cache.ends.Ends` does), and the
 next step's table is ``table[rows]`` plus a column: one dictionary look-up per row, the rest
 NumPy.
 
@@ -15,7 +15,7 @@ When a step's rows are still right: the slots of a cached context's KV never cha
 cached (splits and merges of tree nodes join or split index arrays; KV never moves), so a row is
 right as long as no slot it names was freed and handed out again. A step's lanes are therefore
 used only while the pool has freed nothing since (the ``frees`` count of the
-:class:`.kv_pool.KVPool`: an eviction, a duplicate's slots, a failed step, a cleared cache), and
+:class:`..cache.kv_pool.KVPool`: an eviction, a duplicate's slots, a failed step, a cleared cache), and
 only by the next decode step (each step replaces the last one's lanes). A full layout
 runs at least every :data:`REFRESH` steps: resampling can make every row share more of its
 past, which a full layout reads once in level 0 instead of once per row.
@@ -40,7 +40,7 @@ class Lanes:
             the row's new slot last.
         pads: ``int64 [R]``: each row's padding columns.
         prefix: ``int64 [P]``: the slots every row reads first (level 0).
-        frees: the pool's ``frees`` (:class:`.kv_pool.KVPool`) when the table was made.
+        frees: the pool's ``frees`` (:class:`..cache.kv_pool.KVPool`) when the table was made.
         age: steps laid out from lanes since the last full layout (0 for a full layout's).
     """
 

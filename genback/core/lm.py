@@ -1,11 +1,11 @@
 """``AsyncLM``: the async next-token API shared by every backend.
 
-``AsyncLM`` has no base classes; it composes parts: ``front`` (:class:`~genback.llm.front.Front`:
+``AsyncLM`` has no base classes; it composes parts: ``front`` (:class:`~genback.core.front.Front`:
 input checks, the output cache, counters, the forward lock, the adapters
-(:class:`~genback.llm.adapters.Adapters`) and the scheduler, *when*), ``runner`` (*what*:
+(:class:`~genback.core.adapters.Adapters`) and the scheduler, *when*), ``runner`` (*what*:
 :mod:`genback.runner`; its ``capabilities`` choose the scheduler and who streams generations),
-``decoding`` (:class:`~genback.llm.decoding.Decoding`: steps, generation, sampling) and ``queue``
-(:class:`~genback.llm.queue_api.QueueAPI`: genlm-backend's queue hooks), which use the front's
+``decoding`` (:class:`~genback.core.decoding.Decoding`: steps, generation, sampling) and ``queue``
+(:class:`~genback.core.queue_api.QueueAPI`: genlm-backend's queue hooks), which use the front's
 public methods only. Every public method takes the front's one path; the backends
 (``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) only construct.
 """
@@ -82,7 +82,7 @@ class AsyncLM:
 
     @property
     def adapters(self):
-        """The front's :class:`~genback.llm.adapters.Adapters` (None: the runner loads none)."""
+        """The front's :class:`~genback.core.adapters.Adapters` (None: the runner loads none)."""
         return self.front.adapters
 
     @property

@@ -3,9 +3,9 @@
 Both kinds of forward feed the paths' new tokens right-padded to the longest (``[R, m]``), with
 explicit positions, and keep logits only at the positions some output needs (``logits_to_keep``):
 
-* :func:`tree_forward`: tree attention (:mod:`.tree_attention`): shared segments are read in
+* :func:`tree_forward`: tree attention (:mod:`.attention`): shared segments are read in
   place once for all paths below them; each path's private past is gathered layer by layer from
-  the runner's :class:`~.kv_pool.KVPool`.
+  the runner's :class:`~..cache.kv_pool.KVPool`.
 * :func:`dense_forward`: for models without the attention interface: each path's whole past is
   gathered (left-padded) into a ``DynamicCache``.
 
@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...query import NextToken, Query, Score, Step
-from ...sampling import choose_rows
-from . import tree_attention
-from .kv_pool import KVPool, run_start
-from .plan import Path
-from .segments import split_segments
+from ....query import NextToken, Query, Score, Step
+from ....sampling import choose_rows
+from . import attention as tree_attention
+from ..cache.kv_pool import KVPool, run_start
+from ..plan.batch import Path
+from ..plan.segments import split_segments
 from .tree_cache import TreeCache
 
 
@@ -240,7 +240,7 @@ def tree_forward(model, paths: list[Path], *, pad_id: int, min_shared_tokens: in
     in order), each path's new slots ``int64 [n_new]`` (KV written in ``pool``) and the KV bytes
     read (all layers).
 
-    ``pool``: the runner's :class:`~.kv_pool.KVPool` (the paths' cached KV, and where the new
+    ``pool``: the runner's :class:`~..cache.kv_pool.KVPool` (the paths' cached KV, and where the new
     tokens' KV goes).
     """
     dev = pool.device

@@ -28,8 +28,9 @@ import weakref
 
 import torch
 
-from ..runners.vllm.tap import OLD_TAP_FQCN, TAP_FQCN
-from .base import AsyncLM, Query
+from .tap import OLD_TAP_FQCN, TAP_FQCN
+from ...core.lm import AsyncLM
+from ...query import Query
 
 __all__ = ["AsyncVirtualLM", "Query"]
 
@@ -112,8 +113,8 @@ class AsyncVirtualLM(AsyncLM):
                  timeout: float | None = None, *, batch_window: float = 0.002,
                  row_cache_size: int = 1024):
         vllm = _import_vllm()
-        from ..runners.vllm.engine import EngineLoop
-        from ..runners.vllm.runner import VLLMRunner
+        from .engine import EngineLoop
+        from .runner import VLLMRunner
 
         if isinstance(engine_args, dict):
             engine_args = vllm.AsyncEngineArgs(**engine_args)
@@ -174,7 +175,7 @@ class AsyncVirtualLM(AsyncLM):
         """
         from transformers import AutoTokenizer
 
-        from ..registry import resolve
+        from ...registry import resolve
 
         path = resolve(model_name)
         args = engine_args_for(path, engine_opts)
@@ -209,9 +210,9 @@ def _generation_eos(model_config) -> list[int]:
 
 
 def __getattr__(name: str):
-    # ``genback.llm.vllm:RowTap`` (the registered name before the runner moved) still resolves
+    # ``genback.runners.vllm.model:RowTap`` (the registered name before the runner moved) still resolves
     if name == "RowTap":
-        from ..runners.vllm.tap import row_tap_class
+        from .tap import row_tap_class
 
         return row_tap_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """``TreeCache``: the transformers ``Cache`` of a tree-attention forward.
 
 Each layer hands it its new keys/values; it writes them once into the pool slots the forward
-took for its new tokens (:class:`~.kv_pool.KVPool`; the runner then stores those slots in the KV
+took for its new tokens (:class:`~..cache.kv_pool.KVPool`; the runner then stores those slots in the KV
 tree) and returns them unchanged, so the layer's attention
-(:func:`~genback.runners.hf.tree_attention.tree_attention`) sees the new tokens' KV and reads the
+(:func:`~genback.runners.hf.forward.attention.tree_attention`) sees the new tokens' KV and reads the
 past from the pool itself. Positions are always given explicitly.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from .tree_attention import TreeBatch
+from .attention import TreeBatch
 
 
 class TreeCache(Cache):

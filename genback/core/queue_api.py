@@ -16,7 +16,7 @@ class QueueAPI:
     """The queue hooks of :class:`~genback.llm.AsyncLM` over its front's public methods.
 
     Args:
-        front: the model's :class:`~genback.llm.front.Front`.
+        front: the model's :class:`~genback.core.front.Front`.
     """
 
     def __init__(self, front):

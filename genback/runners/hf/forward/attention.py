@@ -8,12 +8,12 @@ cascade attention; SGLang). So a batch of rows that share a prompt attends to th
 one product with all their queries stacked, reading it once, and merges that with each row's own
 (private) past and new tokens.
 
-A forward's layout (built by :func:`.forward.tree_forward`, one :class:`TreeBatch` per forward;
-all KV lives in the runner's :class:`~.kv_pool.KVPool`):
+A forward's layout (built by :func:`.run.tree_forward`, one :class:`TreeBatch` per forward;
+all KV lives in the runner's :class:`~..cache.kv_pool.KVPool`):
 
 * ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``), whose keys and values
   each layer first writes into the slots the forward took for them;
-* shared segments (:func:`.segments.split_segments`): tree nodes' slots, read in place where
+* shared segments (:func:`..plan.segments.split_segments`): tree nodes' slots, read in place where
   they are one run of the pool, each with the paths below it (a path is a row of the forward's
   batch);
 * a private past per row: the rest of its cached KV, gathered layer by layer together with the
@@ -62,11 +62,11 @@ class Segment:
 class TreeBatch:
     """Everything the attention of one forward needs besides the model's own tensors.
 
-    ``pool``: the runner's :class:`~.kv_pool.KVPool`; ``new_slots``: long ``[R * m]`` on the
+    ``pool``: the runner's :class:`~..cache.kv_pool.KVPool`; ``new_slots``: long ``[R * m]`` on the
     device, the slots of the rows' new tokens (row-major; a row's padding included), written by
     the cache (:class:`.tree_cache.TreeCache`) before the layer's attention runs; ``index``: long
     ``[R * (P + m)]``, each row's left-padded private past and new tokens
-    (:meth:`.segments.PrivatePasts.layout`), or None when no row has a private past (P == 0);
+    (:meth:`..plan.segments.PrivatePasts.layout`), or None when no row has a private past (P == 0);
     ``out``: the ``[2, kv_heads, R * (P + m), dim]`` buffer each layer's layout is gathered
     into; ``mask``: bool ``[R, 1, m, P + m]`` (True = attend) for the private past and the new
     tokens.
@@ -224,7 +224,7 @@ _registered: set = set()
 def register(name: str = NAME, function=None) -> None:
     """Register an attention function with transformers' ``AttentionInterface`` under ``name``
     (idempotent): :func:`tree_attention` as ``"genback_tree"`` by default, or the decode step's
-    (:func:`.cascade.decode_attention`)."""
+    (:func:`..decode.cascade.decode_attention`)."""
     if name not in _registered:
         from transformers import AttentionInterface
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .base import AsyncLM
+from ...core.lm import AsyncLM
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -84,7 +84,7 @@ class AsyncMlxLM(AsyncLM):
         max_batch_tokens: int = 2048,
     ):
         _require_mlx()
-        from ..runners.mlx import MlxRunner
+        from .runner import MlxRunner
 
         if cache_opts:
             raise ValueError(f"cache_opts must be None or empty for genback's row cache, got "
@@ -140,7 +140,7 @@ class AsyncMlxLM(AsyncLM):
         from pathlib import Path
         from transformers import AutoTokenizer
 
-        from ..registry import resolve
+        from ...registry import resolve
 
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES} or None, got {dtype!r}")

@@ -1,14 +1,14 @@
 """``MockAsyncLM``: a model-free ``AsyncLM`` over a real tokenizer's vocabulary, for tests.
 
 Its rows are deterministic pseudo-random log-distributions keyed by the whole context (see
-:mod:`genback.runners.mock`), computed through the same batcher and output cache as the real
+:mod:`genback.runners.mock.runner`), computed through the same batcher and output cache as the real
 backends.
 """
 
 from __future__ import annotations
 
-from ..runners.mock import MockRunner
-from .base import AsyncLM
+from .runner import MockRunner
+from ...core.lm import AsyncLM
 
 
 class MockAsyncLM(AsyncLM):
@@ -29,7 +29,7 @@ class MockAsyncLM(AsyncLM):
         """A mock over the tokenizer of ``model_name`` (embedded alias, folder or Hub id)."""
         from transformers import AutoTokenizer
 
-        from ..registry import resolve
+        from ...registry import resolve
 
         return cls(AutoTokenizer.from_pretrained(resolve(model_name)), **kwargs)
 

@@ -2,7 +2,7 @@
 
 An SMC step or a decoding step asks, for each of ``R`` rows, the next-token logits after a
 context whose KV is cached but for its last token. On a GPU the tree path
-(:func:`.forward.tree_forward`) is launch-bound there: ~40 kernels per layer from transformers'
+(:func:`..forward.run.tree_forward`) is launch-bound there: ~40 kernels per layer from transformers'
 modules plus tree attention's, each costing the host ~5-9 us, while the device idles. This
 module runs such a step over **static buffers** (token ids, positions, new slots, a slot table,
 attention biases), so the whole model forward can be captured once per bucket as a CUDA graph
@@ -51,12 +51,12 @@ import warnings
 import numpy as np
 import torch
 
-from . import tree_attention
+from ..forward import attention as tree_attention
 from .cascade import DecodeBuffers, decode_attention
-from .kv_pool import KVPool
+from ..cache.kv_pool import KVPool
 from .lanes import REFRESH, Lanes
-from .segments import split_segments
-from .tree_cache import TreeCache
+from ..plan.segments import split_segments
+from ..forward.tree_cache import TreeCache
 
 NAME = "genback_decode"
 
@@ -92,7 +92,7 @@ def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
 def is_uniform(group) -> bool:
     """Whether planned paths ``group`` are a uniform decode step: each path forwards one token
     after a cached context and answers one next-token row or decoding step at its end."""
-    from ...query import NextToken, Step
+    from ....query import NextToken, Step
 
     for p in group:
         if p.n_new != 1 or p.cached == 0 or len(p.outputs) != 1:
@@ -109,7 +109,7 @@ class DecodeStep:
 
     Args:
         model: the causal LM (transformers, attention interface).
-        pool: the runner's :class:`~.kv_pool.KVPool`.
+        pool: the runner's :class:`~..cache.kv_pool.KVPool`.
         graphs: capture and replay CUDA graphs (False: run the same code eagerly).
         max_graphs: most graphs kept; further buckets run eagerly.
         max_graph_bytes: no more captures once the graphs' memory pool (counted as the device
@@ -213,7 +213,7 @@ class DecodeStep:
         from the pool here). When every path extends a context of ``lanes`` (a last forward's
         rows) by one token, the table is those rows plus a column; otherwise, or every
         :data:`.lanes.REFRESH` steps, the tree's segments are laid out again
-        (:func:`.segments.split_segments`)."""
+        (:func:`..plan.segments.split_segments`)."""
         R = len(group)
         if R > MAX_ROWS:
             return None

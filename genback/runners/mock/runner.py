@@ -13,9 +13,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..query import NextToken, Prefill, Query, Score, Step
-from ..runner import Capabilities
-from ..sampling import choose
+from ...query import NextToken, Prefill, Query, Score, Step
+from ...runner import Capabilities
+from ...sampling import choose
 
 
 class MockRunner:

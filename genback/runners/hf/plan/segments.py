@@ -15,41 +15,9 @@ chase that lists each path's segments, and the layout of the private pasts' pool
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .kvtree import _Node
-
-
-def holder_end(holder: _Node | None, cached: int) -> tuple[_Node | None, int]:
-    """``(node, k)``: the node whose edge holds token ``cached - 1`` of a cached prefix that
-    :meth:`.kvtree.KVTree.match` ended in ``holder``, and how many tokens of that edge the prefix
-    uses; ``(None, 0)`` when nothing is cached. Still right after a later insertion split the
-    holder's edge (the holder keeps the lower part; the prefix may now end in the upper one)."""
-    if holder is None or cached <= 0:
-        return None, 0
-    node = holder
-    while node.parent is not None and node.depth - len(node.edge) >= cached:
-        node = node.parent
-    if node.parent is None:
-        return None, 0
-    return node, cached - (node.depth - len(node.edge))
-
-
-def prefix_segments(holder: _Node | None, cached: int) -> list:
-    """The segments ``(node, k, slots)`` from the root down whose ``slots`` concatenate to the
-    pool slots of a prefix of ``cached`` tokens that :meth:`.kvtree.KVTree.match` ended in
-    ``holder``."""
-    node, k = holder_end(holder, cached)
-    segments = []
-    while node is not None and node.parent is not None:
-        segments.append((node, k, node.slots if k == len(node.edge) else node.slots[:k]))
-        node = node.parent
-        k = len(node.edge)
-    segments.reverse()
-    return segments
+from ..cache.walks import holder_end
 
 
 class PrivatePasts:
@@ -217,9 +185,9 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
     21], [102, 103, 22]]`` (left-padded with the dummy slot 0).
 
     Args:
-        paths: matched :class:`.plan.Path` s (``holder`` and ``cached`` set).
+        paths: matched :class:`.batch.Path` s (``holder`` and ``cached`` set).
         shared_by_all: share only the segments on every path (the prefix all paths have in
-            common: level 0 of a decode step's cascade, :mod:`.decode_step`), from one path on.
+            common: level 0 of a decode step's cascade, :mod:`..decode.step`), from one path on.
 
     Returns:
         ``(shared, private)``: ``shared`` a list of ``(slots, path indices)``, root side first;

@@ -7,14 +7,14 @@ which query outputs each path answers.
   logits at every position it forwards, so the 256 nested prefixes of one sequence cost one path.
 * :func:`plan_step`: the plan of a uniform decode step (an SMC or decoding step: every query one
   token after a context whose KV ends at a tree node), matched in O(1) per query from the
-  tree's notes (:class:`.ends.Ends`), with no grouping, sorting or budget check per query.
+  tree's notes (:class:`..cache.ends.Ends`), with no grouping, sorting or budget check per query.
 * :func:`plan_batch`: the levels of any other batch: KV-only prefills of uncached prefixes that several
   paths share (shortest first), then the paths that answer the queries. Each query is matched
   against the tree once; prefixes are compared only on their uncached suffixes, in C (tuple
   slices and comparisons), never token by token in Python.
 * :func:`group_paths`: forwards sized by work — the tokens they forward (padding included) and the
   bytes their attention needs — never by the length of whole contexts.
-* :class:`ForwardBudget`: a query too large for one forward becomes the queries that answer it
+* :class:`.budget.ForwardBudget`: a query too large for one forward becomes the queries that answer it
   in forwards that fit (chunked prefill, then its targets in slices).
 
 Which cached segments a forward reads once for all paths below them is decided per forward, over
@@ -26,9 +26,9 @@ from __future__ import annotations
 import operator
 from typing import Callable
 
-from ...query import Prefill, Query, Score
-from .kvtree import common_prefix_length
-from .segments import prefix_segments
+from ....query import Query
+from ..cache.kvtree import common_prefix_length
+from ..cache.walks import prefix_segments
 
 
 class Output:
@@ -61,7 +61,7 @@ class Path:
     ``tokens`` is the answered query's own :attr:`~genback.query.Query.context` (a tuple or
     the front's :class:`~genback.context.Context`, never flattened here: a decode step reads
     its length and last token only), or a tuple for a prefill: the runner notes where its KV
-    ends by the identity of that object (:class:`.ends.Ends`), the object a later query names
+    ends by the identity of that object (:class:`..cache.ends.Ends`), the object a later query names
     as its ``parent``."""
 
     __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder", "n_new")
@@ -91,7 +91,7 @@ class Path:
     @property
     def segments(self) -> list | None:
         """The cached prefix's segments ``(node, k, kv)`` from the root down (see
-        :func:`.kvtree.prefix_segments`; a walk per call), or None until matched."""
+        :func:`..cache.kvtree.prefix_segments`; a walk per call), or None until matched."""
         return None if self.holder is None else prefix_segments(self.holder, self.cached)
 
     def __repr__(self) -> str:
@@ -105,7 +105,7 @@ def query_path(q: Query, index: int = 0) -> Path:
     return Path(q.context, q.adapter, n - q.n_outputs, [Output(index, q, n)])
 
 
-def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> list[Path] | None:
+def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
     """The plan of a uniform decode step, or None when ``queries`` are not one.
 
     A uniform step is what an SMC step or a decoding step asks: every query is a next-token row
@@ -119,9 +119,9 @@ def plan_step(queries: list[Query], ends, adapter, budget: "ForwardBudget") -> l
 
     Args:
         queries: distinct queries of one adapter.
-        ends: the tree's :class:`.ends.Ends`.
+        ends: the tree's :class:`..cache.ends.Ends`.
         adapter: the queries' adapter key.
-        budget: the runner's :class:`ForwardBudget`.
+        budget: the runner's :class:`.budget.ForwardBudget`.
     """
     paths: list[Path] = []
     longest = 0
@@ -295,65 +295,3 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
 
 _n_new = operator.attrgetter("n_new")
 _cached = operator.attrgetter("cached")
-
-
-class ForwardBudget:
-    """What one forward may hold: ``max_bytes`` of working set, counted as attention scores
-    (``score_bytes`` per query position and key: float32 x heads) plus logits (``logit_bytes``
-    per output position: float32 x vocabulary)."""
-
-    def __init__(self, max_bytes: int, score_bytes: int, logit_bytes: int):
-        self.max_bytes, self.score_bytes, self.logit_bytes = max_bytes, score_bytes, logit_bytes
-
-    def working_set(self, n_new: int, length: int, n_outputs: int) -> int:
-        """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
-        queries over ``length`` keys (materialised by the masked kernels), plus the logits of
-        ``n_outputs`` positions."""
-        return n_new * length * self.score_bytes + n_outputs * self.logit_bytes
-
-    def piece_paths(self, q: Query, cached: Callable[[Query, int], int]) -> list[Path] | None:
-        """:meth:`pieces` as the paths that run them, one forward each, in order (matched when
-        each runs: the KV of the pieces before it is in the tree by then); the only output of
-        path ``k`` is piece ``k``, as ``Output(k, piece, len(piece.tokens))``.
-
-        Raises:
-            ValueError: as :meth:`pieces`.
-        """
-        pieces = self.pieces(q, cached)
-        return None if pieces is None else [query_path(p, k) for k, p in enumerate(pieces)]
-
-    def pieces(self, q: Query, cached: Callable[[Query, int], int]) -> list[Query] | None:
-        """None when ``q`` fits in one forward, else the queries that answer it in forwards
-        that each fit: KV-only prefills of its uncached context in chunks, then its targets in
-        consecutive slices (each a query over the tokens up to its slice; the KV of the earlier
-        ones is in the tree, so each forwards only its own tokens). ``cached(q, limit)``: how
-        many tokens of ``q``'s context are cached (at most ``limit``), asked only when ``q``
-        would not fit with nothing cached.
-
-        Raises:
-            ValueError: not even one output position fits in ``max_bytes``.
-        """
-        L, n_out = len(q.tokens), q.n_outputs
-        limit = self.max_bytes
-        if self.working_set(L, L, n_out) <= limit:  # fits even with nothing cached
-            return None
-        done = cached(q, L - n_out)
-        if self.working_set(L - done, L, n_out) <= limit:
-            return None
-        per_position = self.working_set(1, L, 1)
-        if per_position > limit:
-            raise ValueError(
-                f"a query of {L} tokens needs about {per_position:,} bytes for one position's "
-                f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
-        # half the limit each for a prefill chunk and a target slice, which may share a forward
-        chunk = max(1, limit // (2 * L * self.score_bytes))  # KV-only prefill: no logits
-        pieces: list[Query] = [Prefill(q.tokens[:end], q.adapter)
-                               for end in range(done + chunk, L - n_out + 1, chunk)]
-        if not isinstance(q, Score):  # a next-token row, a decoding step or a prefill
-            return pieces + [q]
-        step = max(1, limit // (2 * per_position))
-        n = len(q.targets)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            pieces.append(Score(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
-        return pieces

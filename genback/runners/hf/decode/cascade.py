@@ -1,18 +1,18 @@
 """The attention of a uniform decode step: its static buffers and the two-level cascade.
 
-A decode step (:mod:`.decode_step`) runs over **static buffers** (:class:`DecodeBuffers`: token
+A decode step (:mod:`.step`) runs over **static buffers** (:class:`DecodeBuffers`: token
 ids, positions, new slots, a slot table, attention biases), so that the whole model forward can
 be captured as a CUDA graph. :func:`decode_attention` is the attention function the model's
 layers call inside it (registered with transformers' attention interface as
-:data:`.decode_step.NAME`): a fixed **two-level cascade** over the KV pool
-(:class:`~.kv_pool.KVPool`; Hydragen, Juravsky et al. 2024, arXiv 2402.05099; FlashInfer's
+:data:`.step.NAME`): a fixed **two-level cascade** over the KV pool
+(:class:`~..cache.kv_pool.KVPool`; Hydragen, Juravsky et al. 2024, arXiv 2402.05099; FlashInfer's
 cascade attention):
 
 * level 0: the prefix every row shares, gathered once per layer and attended by all rows'
   queries stacked in one product, split into chunks attended in parallel (split-K);
 * level 1: each row's own slots and its new token, as a ``[R, W]`` slot table with an additive
   bias (0 attend, -inf padding);
-* the two merged by log-sum-exp (:func:`.tree_attention._merge`).
+* the two merged by log-sum-exp (:func:`..forward.attention._merge`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import tree_attention
-from .kv_pool import KVPool
+from ..forward import attention as tree_attention
+from ..cache.kv_pool import KVPool
 
 
 class DecodeBuffers:

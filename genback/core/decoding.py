@@ -6,7 +6,7 @@ it: a runner that streams by itself (``Capabilities.streams``: vLLM's engine, on
 generation, :mod:`genback.runners.vllm.stream`) when it takes the generation's options, else the
 next-token loop (one ``choose_next`` step per token); ``sample`` / ``batch_sample`` are ancestral
 sampling built on it. The part uses only the front's public methods
-(:class:`~genback.llm.front.Front`: checks, adapter keys, the output cache, the query path) and
+(:class:`~genback.core.front.Front`: checks, adapter keys, the output cache, the query path) and
 the runner's declared capabilities.
 """
 
@@ -27,7 +27,7 @@ class Decoding:
     of :class:`~genback.llm.AsyncLM` (which hands its calls to this part).
 
     Args:
-        front: the model's :class:`~genback.llm.front.Front`.
+        front: the model's :class:`~genback.core.front.Front`.
         eos_token_ids: the model's end-of-sequence ids (the default enders).
     """
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runners.hf import HFRunner
-from .base import AsyncLM
+from .runner import HFRunner
+from ...core.lm import AsyncLM
 
 
 class AsyncTransformer(AsyncLM):
@@ -56,7 +56,7 @@ class AsyncTransformer(AsyncLM):
             per bucket on a CUDA device with tree attention, on the tree path elsewhere;
             ``"graphs"`` (CUDA only), ``"eager"`` (the graph's static-buffer code without
             capture, any device) or ``"off"`` (the tree path). See
-            :mod:`genback.runners.hf.decode_step`.
+            :mod:`genback.runners.hf.decode.step`.
 
     Rows are float32 ``[V]`` on ``row_device``, whatever the model's dtype.
 
@@ -119,7 +119,7 @@ class AsyncTransformer(AsyncLM):
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ..registry import resolve
+        from ...registry import resolve
 
         path = resolve(model_id)
         opts = {"dtype": torch.float32}
@@ -132,7 +132,7 @@ class AsyncTransformer(AsyncLM):
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, **opts)
         except OSError as exc:
-            from ..registry import EMBEDDED_MODELS
+            from ...registry import EMBEDDED_MODELS
 
             raise ValueError(
                 f"model {model_id!r} could not be loaded: it is not an embedded alias "
@@ -147,7 +147,7 @@ class AsyncTransformer(AsyncLM):
         double-bordered), edges labelled with their decoded text, the prompt shortened. Shows
         which prefixes particles share, where resampling collapsed them, what a prompt's reuse
         looks like. Building it needs the ``graphviz`` package only; ``.render()`` / ``.pipe()``
-        need Graphviz's ``dot`` program. See :func:`genback.runners.hf.picture.draw`.
+        need Graphviz's ``dot`` program. See :func:`genback.runners.hf.cache.picture.draw`.
 
         Args:
             max_nodes: most nodes drawn (depth first); a note counts the rest.

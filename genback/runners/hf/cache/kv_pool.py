@@ -20,7 +20,7 @@ wrote it.
 Capacity grows by doubling when a forward needs more free slots than there are (the copy is one
 ``copy_`` of the used part); the KV tree's byte budget, not the pool, decides what is kept. A
 growth changes ``store``, so ``KVPool.version`` counts them: CUDA graphs captured over the old
-store are dropped (:mod:`.decode_step`).
+store are dropped (:mod:`..decode.step`).
 
 Not thread-safe: the runner's forward lock serialises its use.
 """
@@ -175,7 +175,7 @@ def run_start(slots: np.ndarray) -> int:
     return -1
 
 class CachedNode:
-    """A KV-tree node as :meth:`.runner.HFRunner.walk` returns it: the node's own attributes (``edge``,
+    """A KV-tree node as :meth:`..runner.HFRunner.walk` returns it: the node's own attributes (``edge``,
     ``slots``, ``children``, ``depth``, ...) plus genlm-backend's ``past_key_values``: the KV of
     the node's edge, ``[layers, 2, kv_heads, len(edge), head_dim]`` on the model's device (a
     copy gathered from the pool), None for a root."""
