@@ -12,7 +12,19 @@ front's :class:`~genback.context.Context`, whose flat tuple is built only when `
 read), ``adapter`` (None for the base model, else the runner's
 key of a LoRA adapter: the same tokens under two adapters are two different queries) and
 ``n_outputs`` (how many positions' logits it needs: the last ``n_outputs`` positions of
-``tokens``). Runners dispatch on the kind once (``match``/``isinstance``).
+``tokens``).
+
+The front and the planners never test a query's type: they ask the query.
+
+| question | attribute | NextToken | Score | Prefill | Step |
+|---|---|---|---|---|---|
+| is its result a row the output cache keeps? | `cacheable` | yes | no | no | no |
+| is it answered by the logits of its last position alone? | `at_end` | yes | no | no | yes |
+| how does it split when too large for one forward? | `slices(n)` | itself | slices of `n` targets | itself | itself |
+| how do the results of its pieces join? | `join(parts)` | the last | concatenated | the last | the last |
+
+Only a runner turns logits into each kind's result, in one place of each runner (the HF
+runner's :mod:`genback.runners.hf.forward.results`).
 
 Queries are immutable and hashable. Their hash covers a context's length and last
 :data:`HASH_TAIL` tokens only (:func:`context_hash`), so it costs the same for 100 tokens as for
@@ -49,6 +61,11 @@ class Query:
 
     __slots__ = ("context", "adapter", "tokens_hash", "_hash", "parent")
     n_outputs = 1
+    cacheable = False
+    """Whether its result is a next-token row the output cache keeps."""
+    at_end = True
+    """Whether it is answered by the logits of its context's last position alone (one output,
+    at the end: a decode step's row)."""
 
     def __init__(self, tokens: "tuple[int, ...] | Context", adapter: int | None = None,
                  _tokens_hash: int | None = None, _parent: "tuple | Context | None" = None):
@@ -73,6 +90,17 @@ class Query:
     def _extra(self) -> tuple:
         return ()
 
+    def slices(self, n: int) -> list["Query"]:
+        """The queries that answer this one's outputs in slices of at most ``n`` positions each
+        (the last pieces of a query too large for one forward; their KV before them is
+        computed first): ``[self]`` but for a :class:`Score`."""
+        return [self]
+
+    def join(self, parts: list):
+        """This query's result from the results of :meth:`slices`, in order (the results of
+        KV-only pieces before them, None, left out): the last one, or None for none."""
+        return parts[-1] if parts else None
+
     def __hash__(self) -> int:
         return self._hash
 
@@ -91,6 +119,7 @@ class NextToken(Query):
     """The next-token log-prob row after ``tokens``: float32 ``[V]``, log-normalised."""
 
     __slots__ = ()
+    cacheable = True
 
     def without_parent(self) -> "NextToken":
         """An equal query without the lineage hint ``parent`` (``self`` when it has none): the
@@ -110,6 +139,7 @@ class Prefill(Query):
 
     __slots__ = ()
     n_outputs = 0
+    at_end = False
 
 
 class Score(Query):
@@ -122,6 +152,7 @@ class Score(Query):
     """
 
     __slots__ = ("targets", "greedy")
+    at_end = False
 
     def __init__(self, tokens: tuple[int, ...], targets: tuple[int, ...],
                  adapter: int | None = None, greedy: bool = False):
@@ -138,6 +169,20 @@ class Score(Query):
     @property
     def n_outputs(self) -> int:
         return len(self.targets)
+
+    def slices(self, n: int) -> list["Score"]:
+        """Consecutive slices of at most ``n`` targets, each over the tokens up to its slice."""
+        L, k = len(self.tokens), len(self.targets)
+        return [Score(self.tokens[:L - k + min(k, a + n)], self.targets[a:a + n], self.adapter,
+                      self.greedy) for a in range(0, k, n)]
+
+    def join(self, parts: list):
+        """The slices' log-probs (and greedy flags) concatenated in order."""
+        import torch  # (importing the query kinds does not import torch)
+
+        if self.greedy:
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return torch.cat(parts)
 
 
 class Step(Query):

@@ -362,7 +362,8 @@ def test_callers_copies_come_in_bounded_blocks(device):
     """The callers' copies of a step's rows (Front._compute_owned) are views of blocks of at
     most OWNED_BLOCK_BYTES on a device, HOST_OWNED_BLOCK_BYTES in host memory: a row a caller
     keeps keeps no more than its block alive."""
-    from genback.core.front import HOST_OWNED_BLOCK_BYTES, OWNED_BLOCK_BYTES, owned_copies
+    from genback.rows import DEVICE_COPY_BLOCK_BYTES as OWNED_BLOCK_BYTES
+    from genback.rows import HOST_BLOCK_BYTES as HOST_OWNED_BLOCK_BYTES, owned_copies
 
     limit = HOST_OWNED_BLOCK_BYTES if device == "cpu" else OWNED_BLOCK_BYTES
     rows = list(torch.randn(100, 100_000, device=device).unbind(0))  # 400 KB a row

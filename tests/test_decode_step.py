@@ -267,12 +267,12 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
         out = layout(self, group, lanes)
         if out is None:
             return out
-        ids, positions, new_slots, table, pads, prefix = out[0]
+        lay = out[0]
         for i, p in enumerate(group):
             tree = [s for _, _, s in prefix_segments(p.holder, p.cached)]
-            want = np.concatenate(tree + [new_slots[i:i + 1]])
-            got = np.concatenate([prefix, table[i, pads[i]:]])
-            assert np.array_equal(got, want) and positions[i] == p.cached
+            want = np.concatenate(tree + [lay.new_slots[i:i + 1]])
+            got = np.concatenate([lay.prefix, lay.table[i, lay.pads[i]:]])
+            assert np.array_equal(got, want) and lay.positions[i] == p.cached
         checked.append(len(group))
         return out
 

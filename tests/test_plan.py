@@ -196,7 +196,7 @@ async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
     torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), keep, rtol=0, atol=0)
     # two callers of one new context in one batch (the batcher's copy for the second), beside
     # others: each gets its own row, a view of a block of at most HOST_OWNED_BLOCK_BYTES
-    from genback.core.front import HOST_OWNED_BLOCK_BYTES
+    from genback.rows import HOST_BLOCK_BYTES as HOST_OWNED_BLOCK_BYTES
 
     new = [ctx + [15], ctx + [15]] + [ctx + [16, t] for t in range(40)]
     rows = await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in new))

@@ -34,6 +34,7 @@ from ..runner import Capabilities
 from ..window import check_pair
 from .adapters import Adapters
 from .inputs import ContextChecker, check_lora, check_positive_int
+from ..rows import copy_result, own, owned_copies
 
 
 class Front:
@@ -67,7 +68,7 @@ class Front:
                                        max_batch_size=size, count=runner.requests)
         else:
             self.scheduler = Batcher(self._compute_owned, window=batch_window,
-                                     max_batch_size=size, copy=_copy_result)
+                                     max_batch_size=size, copy=copy_result)
         # what ask awaits: the batcher's future itself (no coroutine of its own around it)
         self._submit = (self.scheduler.enqueue if isinstance(self.scheduler, Batcher)
                         else self.scheduler.submit)
@@ -179,7 +180,7 @@ class Front:
         """
         self.check_open()
         self.count(len(query.context))
-        return self.cache.get(query) if type(query) is NextToken else None
+        return self.cache.get(query) if query.cacheable else None
 
     def submit(self, query: Query):
         """The awaitable result of a counted ``query`` that :meth:`lookup` did not find (the
@@ -250,7 +251,7 @@ class Front:
         """:meth:`store` for several queries, under one lock of the cache."""
         rows = []
         for query, value in zip(queries, values):
-            if type(query) is NextToken and not isinstance(value, BaseException):
+            if query.cacheable and not isinstance(value, BaseException):
                 rows.append((query.without_parent(), value))
         if rows:
             self.cache.put_many(rows)
@@ -259,7 +260,7 @@ class Front:
         """One result per query (the batch function of the worker, or of a sync caller): a row
         cached since the query was submitted, else the runner's result, or the exception that
         fails only that query (its adapter was removed while it waited, or it cannot fit)."""
-        results = self.cache.get_many([q if type(q) is NextToken else None for q in queries])
+        results = self.cache.get_many([q if q.cacheable else None for q in queries])
         todo = [i for i, row in enumerate(results) if row is None]
         if todo:
             with self.lock:
@@ -285,7 +286,7 @@ class Front:
         (80 µs per row against 26 µs in 1 MiB blocks, measured on this project's CPU)."""
         results = self.compute(queries)
         at = [i for i, (q, r) in enumerate(zip(queries, results))
-              if type(q) is NextToken and isinstance(r, torch.Tensor)]
+              if q.cacheable and isinstance(r, torch.Tensor)]
         if at:
             for i, row in zip(at, owned_copies([results[i] for i in at])):
                 results[i] = row
@@ -310,7 +311,7 @@ class Front:
         runner that schedules itself are cloned."""
         if isinstance(self.scheduler, Batcher):
             return row
-        return row.clone()
+        return own(row)
 
     def info(self) -> dict:
         """``cache_info()``: the front's counters, then the runner's ``stats()``."""
@@ -331,32 +332,3 @@ class Front:
         with self.lock:
             self.runner.close()
         self.cache.clear()
-
-
-# the callers' copies of a batch's rows are made in blocks of at most this many bytes: a row a
-# caller keeps keeps its block alive, so one block per step (256 rows of a 128k vocabulary:
-# 128 MiB) would let a program that keeps one row per step hold 256 times its rows' memory
-OWNED_BLOCK_BYTES = 8 << 20
-# ... and of at most this many in host memory, where a block is a malloc (blocks of ~1 MiB are
-# recycled; larger ones are fresh pages each step: genback.runners.hf.forward.run's row blocks)
-HOST_OWNED_BLOCK_BYTES = 1 << 20
-
-
-def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of equal-shaped ``rows`` (one device, one dtype), made with one copy per block of
-    at most :data:`OWNED_BLOCK_BYTES` (:data:`HOST_OWNED_BLOCK_BYTES` in host memory; at least
-    one row each): each copy a view of its block."""
-    limit = HOST_OWNED_BLOCK_BYTES if rows[0].is_cpu else OWNED_BLOCK_BYTES
-    per = max(1, limit // max(1, rows[0].nbytes))
-    out: list[torch.Tensor] = []
-    for a in range(0, len(rows), per):
-        out.extend(torch.stack(rows[a:a + per]).unbind(0))
-    return out
-
-
-def _copy_result(result):
-    """The batcher's copy for the second and later callers of one query: a tensor (a row
-    handed out as the caller's own, :meth:`Front.owned`) is cloned; anything else is shared."""
-    if isinstance(result, torch.Tensor):
-        return result.clone()
-    return result

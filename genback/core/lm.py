@@ -19,6 +19,7 @@ import torch
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
 from ..heap import freeze_startup_heap
 from ..query import Query  # noqa: F401 (genback.llm's name of the base kind)
+from ..rows import own
 from ..runner import Runner
 from ..sampling import Choice, Pick, SamplingParams
 from .decoding import Decoding
@@ -209,7 +210,7 @@ class AsyncLM:
                                  None if lora_name is None else front.adapter_key(lora_name))
         row = front.lookup(query)  # (Front.ask, without a coroutine of its own per query)
         if row is not None:
-            return row.clone()  # the one copy: cached rows are shared, never handed out
+            return own(row)  # the one copy: cached rows are shared, never handed out
         return front.owned(await front.submit(query))
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:

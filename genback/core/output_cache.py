@@ -24,7 +24,8 @@ import threading
 from collections import OrderedDict
 from typing import Hashable
 
-import torch
+
+from ..rows import compact
 
 
 class OutputCache:
@@ -72,9 +73,10 @@ class OutputCache:
         """``row``, found under ``key``: now the most recent, counted, and compact."""
         self._rows.move_to_end(key)
         self.hits += 1
-        if type(row) is torch.Tensor and row._base is not None:  # a view of a block
-            row = self._rows[key] = row.clone()
-        return row
+        kept = compact(row)  # (genback.rows: a view of a block becomes a compact copy)
+        if kept is not row:
+            self._rows[key] = kept
+        return kept
 
     def put(self, key: Hashable, row) -> None:
         self.put_many(((key, row),))

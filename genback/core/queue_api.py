@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+from ..rows import own
+
 
 class QueueAPI:
     """The queue hooks of :class:`~genback.llm.AsyncLM` over its front's public methods.
@@ -39,7 +41,7 @@ class QueueAPI:
         row = front.lookup(q)
         if row is not None:
             if not future.done():
-                future.set_result(row.clone())
+                future.set_result(own(row))
             return
         inner = front.enqueue(q)
 

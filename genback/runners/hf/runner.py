@@ -16,19 +16,20 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...query import Prefill, Query, Score
+from ...query import Prefill, Query
 from ...runner import Capabilities, check_pin_budget
-from .forward import attention as tree_attention
-from .memory import available_memory_bytes, trim_host_memory
-from .forward.run import _outputs, dense_forward, tree_forward
-from .decode.step import DecodeStep, is_uniform
-from .cache.kvtree import KVTree
-from .lora import LoraAdapters
 from .cache.kv_pool import CachedNode, KVPool
+from .cache.kvtree import KVTree
 from .cache.picture import draw
+from .decode.step import DecodeStep, is_uniform
+from .forward import attention as tree_attention
+from .forward.base import ForwardOut
+from .forward.dense import DenseForward
+from .forward.tree import TreeForward
+from .lora import LoraAdapters
+from .memory import available_memory_bytes, trim_host_memory
+from .plan.batch import Output, Path, group_paths, plan_batch, plan_step, query_path
 from .plan.budget import ForwardBudget
-from .plan.batch import (Output, Path, group_paths, plan_batch, plan_step,
-                   query_path)
 
 
 def _check_device(device) -> torch.device:
@@ -110,22 +111,37 @@ class HFRunner:
         self.use_tree = attention != "dense" and reason is None
         self.attention = ("tree" if self.use_tree else
                           f"dense ({'attention=dense' if attention == 'dense' else reason})")
-        self.kernel = "flash"
         if self.use_tree:
             tree_attention.register()
-        cuda = self.device.type == "cuda"
-        if decode == "graphs" and not (cuda and self.use_tree):
-            raise ValueError(f"decode='graphs' needs a CUDA model with tree attention; this one "
-                             f"is on {self.device} with {self.attention} attention")
-        graphs = decode == "graphs" or (decode == "auto" and cuda)
-        self.decode = (DecodeStep(model, self.pool, graphs=graphs)
-                       if self.use_tree and (graphs or decode == "eager") else None)
+            self.forward = TreeForward(model, self.pool, pad_id=pad_id,
+                                       min_shared_tokens=min_shared_tokens,
+                                       row_device=self.row_device)
+        else:
+            self.forward = DenseForward(model, self.pool, pad_id=pad_id,
+                                        row_device=self.row_device)
+        self.decode = self._decode_step(decode)
         self.forwards = 0
         self.tokens_forwarded = 0  # real (unpadded) tokens
         self.padded_tokens_forwarded = 0
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
         self._freed_since_trim = 0
         self._inserted: list = []  # nodes inserted by the running call, compacted at its end
+
+    def _decode_step(self, decode: str) -> DecodeStep | None:
+        """The :class:`.decode.step.DecodeStep` of ``decode`` (None: uniform steps take the tree
+        path).
+
+        Raises:
+            ValueError: ``decode="graphs"`` off CUDA or without tree attention.
+        """
+        cuda = self.device.type == "cuda"
+        if decode == "graphs" and not (cuda and self.use_tree):
+            raise ValueError(f"decode='graphs' needs a CUDA model with tree attention; this one "
+                             f"is on {self.device} with {self.attention} attention")
+        graphs = decode == "graphs" or (decode == "auto" and cuda)
+        if not self.use_tree or not (graphs or decode == "eager"):
+            return None
+        return DecodeStep(self.model, self.pool, graphs=graphs, row_device=self.row_device)
 
     def _probe_layout(self) -> tuple:
         """``(layers, kv_heads, head_dim, dtype, device)`` from a one-token forward."""
@@ -210,12 +226,7 @@ class HFRunner:
         for path in paths:
             (_, value), = self._execute([path])
             parts.append(value)
-        if not isinstance(q, Score):
-            return parts[-1]
-        parts = [v for v, path in zip(parts, paths) if isinstance(path.outputs[0].query, Score)]
-        if q.greedy:
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return torch.cat(parts)
+        return q.join([v for v in parts if v is not None])  # (prefill pieces: None)
 
     def stats(self) -> dict:
         tree = self.tree
@@ -324,9 +335,9 @@ class HFRunner:
             inserted = self._inserted.append
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
-                values, new_slots = self._forward(group, uniform)
-                answered.extend(zip((o for p in group for o in p.outputs), values))
-                for p, slots in zip(group, new_slots):
+                out = self._forward(group, uniform)
+                answered.extend(zip((o for p in group for o in p.outputs), out.values))
+                for p, slots in zip(group, out.new_slots):
                     holder = p.holder  # a leaf ending at the cached prefix, held by p alone,
                     if holder.depth == p.cached and extend(holder, p.tokens, slots):
                         node = holder  # grows in place (touched with the held nodes)
@@ -360,39 +371,19 @@ class HFRunner:
             trim_host_memory()
             self._freed_since_trim = 0
 
-    def _forward(self, group: list[Path], uniform: bool = False) -> tuple[list, list]:
-        """Forward ``group``; return each output's result (paths' outputs in order) and each
-        path's new pool slots ``int64 [n_new]`` (their KV written). A uniform decode step of
-        the base model goes through :mod:`.decode.step` when it is on and the step fits (one
-        forward, or a few over chunks of its rows: :meth:`.decode.step.DecodeStep.layouts`)."""
-        parts = None
+    def _forward(self, group: list[Path], uniform: bool = False) -> ForwardOut:
+        """Forward ``group`` (:class:`.forward.base.ForwardOut`): a uniform decode step of the
+        base model through the decode step when it is on and the step fits
+        (:meth:`.decode.step.DecodeStep.run`), anything else through the tree (or dense)
+        forward."""
+        out = None
         if self.decode is not None and not self.lora.loaded and (uniform or is_uniform(group)):
-            parts = self.decode.layouts(group)
-        if parts is not None:
-            values, read = [], 0
-            try:
-                for start, stop, arrays in parts:  # (each chunk's rows read before the next)
-                    logits, chunk_read = self.decode.run(arrays)
-                    values += _outputs(group[start:stop], logits, self.row_device)
-                    read += chunk_read
-            except BaseException:
-                for _, _, arrays in parts:
-                    self.pool.free(arrays[2])
-                raise
-            new_slots = (parts[0][2][2] if len(parts) == 1
-                         else np.concatenate([arrays[2] for _, _, arrays in parts]))
-            new_kv = [new_slots[i:i + 1] for i in range(len(group))]
-        elif self.use_tree:
-            values, new_kv, read = tree_forward(
-                self.model, group, pad_id=self.pad_id, min_shared_tokens=self.min_shared_tokens,
-                kernel=self.kernel, pool=self.pool, row_device=self.row_device)
-        else:
-            values, new_kv, read = dense_forward(self.model, group, pad_id=self.pad_id,
-                                                 pool=self.pool, row_device=self.row_device)
+            out = self.decode.run(group)
+        if out is None:
+            out = self.forward.run(group)
         n_new = [r.n_new for r in group]
-        self.forwards += 1 if parts is None else len(parts)
+        self.forwards += out.forwards
         self.tokens_forwarded += sum(n_new)
         self.padded_tokens_forwarded += len(group) * max(n_new)
-        self.kv_bytes_read += read
-        return values, new_kv
-
+        self.kv_bytes_read += out.bytes_read
+        return out

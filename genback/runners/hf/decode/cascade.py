@@ -17,11 +17,30 @@ cascade attention):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from ..forward import attention as tree_attention
 from ..cache.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """The host arrays of one forward of a decode step (:meth:`.step.DecodeStep.layout`), all
+    ``int64``: ``ids`` / ``positions`` / ``new_slots`` ``[R]`` (each row's last token, its
+    position, the pool slot its KV goes to); ``table`` ``[R, W]`` (each row's own slots,
+    left-padded with the dummy slot 0, its new slot last); ``pads`` ``[R]`` (each row's padding
+    columns: its first real column); ``prefix`` ``[P]`` (the slots every row reads first,
+    level 0)."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    new_slots: np.ndarray
+    table: np.ndarray
+    pads: np.ndarray
+    prefix: np.ndarray
 
 
 class DecodeBuffers:
@@ -30,7 +49,7 @@ class DecodeBuffers:
     One long buffer ``packed`` holds every integer input, filled by one host-to-device copy per
     step (:meth:`fill`); the rest are views of it or built from it on the device by
     :meth:`prepare`, inside the captured graph: ``ids`` / ``positions`` long ``[Rb, 1]``;
-    ``new_slots`` long ``[Rb]``; ``first`` long ``[Rb]`` (each row's first real table column);
+    ``new_slots`` long ``[Rb]``; ``pads`` long ``[Rb]`` (each row's padding columns: its first real table column);
     ``table`` long ``[Rb * Wb]`` (row-major slot table, last real column the new token);
     ``prefix`` long ``[Pb]``; ``sizes`` long ``[2]`` (the table's real width ``W``, the prefix's
     real length ``P``). Built: ``bias1`` ``[Rb, 1, G, Wb]`` and ``bias0`` ``[1, 1, 1, Pb]`` of the
@@ -43,39 +62,41 @@ class DecodeBuffers:
         dev, dt = pool.device, pool.dtype
         self.pool = pool
         self.key = key
-        self.packed = torch.zeros(4 * Rb + Rb * Wb + Pb + 2, dtype=torch.long, device=dev)
-        parts = self.packed.split([Rb, Rb, Rb, Rb, Rb * Wb, Pb, 2])
+        sizes = [Rb, Rb, Rb, Rb, Rb * Wb, Pb, 2]
+        self.packed = torch.zeros(sum(sizes), dtype=torch.long, device=dev)
+        parts = self.packed.split(sizes)
         self.ids, self.positions = parts[0].view(Rb, 1), parts[1].view(Rb, 1)
-        self.new_slots, self.first, self.table, prefix, self.sizes = parts[2:]
+        self.new_slots, self.pads, self.table, prefix, self.sizes = parts[2:]
         self.prefix = prefix if Pb else None
+        # the same parts of the host array fill copies from (one host-to-device copy a step)
+        ends = np.cumsum(sizes)
+        self._parts = [slice(e - n, e) for n, e in zip(sizes, ends)]
         self.columns = torch.arange(max(Wb, Pb), device=dev)
         self.bias1 = torch.zeros((Rb, 1, groups, Wb), dtype=dt, device=dev)
         self.bias0 = torch.zeros((1, 1, 1, Pb), dtype=dt, device=dev) if Pb else None
         self.logits = torch.zeros((Rb, vocab), dtype=torch.float32, device=dev)
 
-    def fill(self, ids, positions, new_slots, table, pads, prefix) -> None:
-        """Copy one step's host arrays in, one host-to-device copy: ``ids`` / ``positions`` /
-        ``new_slots`` ``int64 [R]``, ``table`` ``int64 [R, W]`` (left-padded with slot 0, new
-        slot last), ``pads`` ``int64 [R]`` (padding columns per row), ``prefix`` ``int64 [P]``.
-        A padded row (``R <= row < Rb``) reads only its last real column: its own new token,
-        written to the dummy slot 0."""
+    def fill(self, layout: StepLayout) -> None:
+        """Copy one forward's :class:`StepLayout` in, one host-to-device copy. A padded row
+        (``R <= row < Rb``) reads only its last real column: its own new token, written to the
+        dummy slot 0."""
         Rb, Wb, Pb = self.key
-        R, W = table.shape
+        R, W = layout.table.shape
         host = np.zeros(self.packed.shape[0], dtype=np.int64)
-        head = host[:4 * Rb].reshape(4, Rb)
-        head[0, :R], head[1, :R], head[2, :R] = ids, positions, new_slots
-        head[3, :] = W - 1
-        head[3, :R] = pads
-        host[4 * Rb:4 * Rb + Rb * Wb].reshape(Rb, Wb)[:R, :W] = table
-        host[4 * Rb + Rb * Wb:4 * Rb + Rb * Wb + len(prefix)] = prefix
-        host[-2:] = W, len(prefix)
+        ids, positions, new_slots, pads, table, prefix, sizes = (host[s] for s in self._parts)
+        ids[:R], positions[:R], new_slots[:R] = layout.ids, layout.positions, layout.new_slots
+        pads[:] = W - 1
+        pads[:R] = layout.pads
+        table.reshape(Rb, Wb)[:R, :W] = layout.table
+        prefix[:len(layout.prefix)] = layout.prefix
+        sizes[:] = W, len(layout.prefix)
         self.packed.copy_(torch.from_numpy(host))
 
     def prepare(self) -> None:
         """Build the biases from ``packed`` on the device (kernels of the captured graph)."""
         Rb, Wb, Pb = self.key
         cols = self.columns[:Wb]
-        keep = (cols[None, :] >= self.first[:, None]) & (cols[None, :] < self.sizes[0])
+        keep = (cols[None, :] >= self.pads[:, None]) & (cols[None, :] < self.sizes[0])
         self.bias1.copy_(torch.where(keep, 0.0, float("-inf"))[:, None, None, :]
                          .expand_as(self.bias1))
         if Pb:

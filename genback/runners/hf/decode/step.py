@@ -18,13 +18,18 @@ Attention inside the graph is a fixed **two-level cascade** over the KV pool
   token, as a ``[R, W]`` slot table with an additive bias (0 attend, -inf padding);
 * the two merged by log-sum-exp.
 
-Worked example (3 rows after a 4-token prompt in slots 1-4, rows a and b one token on, c two,
-new tokens in slots 9, 10, 11; ``W`` and the prefix shown padded to 16 for brevity)::
+Worked example (``tests/test_decode_layout.py`` runs it): 3 rows after a 4-token prompt in
+slots 1-4; rows a and b one token on (slots 5 and 6), row c two (slots 7 and 8); the step's new
+tokens go to slots 9, 10, 11. The layout (:class:`.cascade.StepLayout`)::
 
-    prefix = [1, 2, 3, 4, 0, 0, ...]          bias0 = [0, 0, 0, 0, -inf, ...]
-    table  = [[0, 0, 5, 9, 0, ...],           bias1 = [[-inf, -inf, 0, 0, -inf, ...],
-              [0, 0, 6, 10, 0, ...],                   [-inf, -inf, 0, 0, -inf, ...],
-              [0, 7, 8, 11, 0, ...]]                   [-inf, 0, 0, 0, -inf, ...]]
+    prefix = [1, 2, 3, 4]
+    table  = [[0, 5,  9],        pads = [1, 1, 0]       bias1 = [[-inf, 0, 0],
+              [0, 6, 10],                                        [-inf, 0, 0],
+              [7, 8, 11]]                                        [   0, 0, 0]]
+
+In its bucket ``(4, 32, 256)`` the buffers hold it padded: a 4 x 32 table (the padded row 3 all
+slot 0, reading only its last real column), ``bias1`` -inf beyond column 2, and a 256-slot
+prefix whose ``bias0`` is -inf beyond its 4 real slots.
 
 **Buckets.** Rows are padded to a power of two, the table's width and the prefix to multiples
 of 16 (the alignment CUDA's fused attention asks of a bias): powers of two (from 32) for the
@@ -47,16 +52,19 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..forward import attention as tree_attention
-from .cascade import DecodeBuffers, decode_attention
 from ..cache.kv_pool import KVPool
-from .lanes import REFRESH, Lanes
-from ..plan.segments import split_segments
+from ..forward import attention as tree_attention
+from ..forward.base import ForwardOut
+from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache
+from ..plan.segments import split_segments
+from .cascade import DecodeBuffers, StepLayout, decode_attention
+from .lanes import REFRESH, Lanes
 
 NAME = "genback_decode"
 
@@ -91,16 +99,24 @@ def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
 
 def is_uniform(group) -> bool:
     """Whether planned paths ``group`` are a uniform decode step: each path forwards one token
-    after a cached context and answers one next-token row or decoding step at its end."""
-    from ....query import NextToken, Step
-
+    after a cached context and answers one query at its end
+    (:attr:`genback.query.Query.at_end`: a next-token row or a decoding step)."""
     for p in group:
         if p.n_new != 1 or p.cached == 0 or len(p.outputs) != 1:
             return False
         o = p.outputs[0]
-        if o.end != len(p.tokens) or type(o.query) not in (NextToken, Step):
+        if o.end != len(p.tokens) or not o.query.at_end:
             return False
     return True
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Rows ``group[start:stop]`` of a step, and their forward's :class:`.cascade.StepLayout`."""
+
+    start: int
+    stop: int
+    layout: StepLayout
 
 
 class DecodeStep:
@@ -111,6 +127,7 @@ class DecodeStep:
         model: the causal LM (transformers, attention interface).
         pool: the runner's :class:`~..cache.kv_pool.KVPool`.
         graphs: capture and replay CUDA graphs (False: run the same code eagerly).
+        row_device: where next-token rows go.
         max_graphs: most graphs kept; further buckets run eagerly.
         max_graph_bytes: no more captures once the graphs' memory pool (counted as the device
             memory each capture reserved) reaches this (None: an eighth of the device's memory);
@@ -129,10 +146,11 @@ class DecodeStep:
             run eagerly): statistics.
     """
 
-    def __init__(self, model, pool: KVPool, *, graphs: bool, max_graphs: int = 32,
-                 max_graph_bytes: int | None = None):
+    def __init__(self, model, pool: KVPool, *, graphs: bool, row_device: torch.device,
+                 max_graphs: int = 32, max_graph_bytes: int | None = None):
         self.model = model
         self.pool = pool
+        self.row_device = row_device
         self.graphs_on = graphs
         self.max_graphs = max_graphs
         if max_graph_bytes is None and graphs:
@@ -170,46 +188,72 @@ class DecodeStep:
         self._mempool = None
         self._lanes = []
 
-    def layouts(self, group) -> list[tuple[int, int, tuple]] | None:
-        """The step as ``[(start, stop, arrays), ...]``: contiguous chunks of rows
-        ``group[start:stop]`` in order, each with :meth:`layout`'s arrays (its new slots taken
-        from the pool). One chunk when the step fits one forward; else 2, then
-        :data:`MAX_CHUNKS` equal chunks. A step with as many rows as the last one, which was
-        split, is split alike at once (each chunk laid out from the same chunk of the last
-        step when its rows extend those, :class:`.lanes.Lanes`), the whole tried again every
-        :data:`.lanes.REFRESH` steps. None (nothing taken from the pool) when the chunks do
-        not fit either: then the tree path runs it."""
-        R, last = len(group), self._lanes
-        n = start = (len(last) if len(last) > 1 and R == self._rows
-                     and self._split_age < REFRESH else 1)
+    def run(self, group) -> ForwardOut | None:
+        """Run the uniform step ``group`` (paths, :func:`is_uniform`) as one forward or a few
+        over chunks of its rows (:meth:`layouts`); None, with nothing taken from the pool, when
+        it does not fit: then the tree path runs it. Each chunk's rows are read before the next
+        chunk runs (the logits live in the bucket's static buffer); if a chunk fails, every
+        chunk's new slots go back to the pool."""
+        chunks = self.layouts(group)
+        if chunks is None:
+            return None
+        values, read = [], 0
+        try:
+            for c in chunks:
+                logits, chunk_read = self.forward(c.layout)
+                values += outputs(group[c.start:c.stop], logits, self.row_device)
+                read += chunk_read
+        except BaseException:
+            for c in chunks:
+                self.pool.free(c.layout.new_slots)
+            raise
+        new = (chunks[0].layout.new_slots if len(chunks) == 1
+               else np.concatenate([c.layout.new_slots for c in chunks]))
+        return ForwardOut(values, [new[i:i + 1] for i in range(len(group))], read, len(chunks))
+
+    def layouts(self, group) -> list[Chunk] | None:
+        """The step as contiguous :class:`Chunk` s of rows in order, each with its
+        :meth:`layout` (its new slots taken from the pool). One chunk when the step fits one
+        forward; else 2, then :data:`MAX_CHUNKS` equal chunks. A step with as many rows as
+        the last one, which was split, is split alike at once (each chunk laid out from the
+        same chunk of the last step when its rows extend those, :class:`.lanes.Lanes`), the
+        whole tried again every :data:`.lanes.REFRESH` steps. None (nothing taken from the
+        pool) when the chunks do not fit either."""
+        R = len(group)
+        split_alike = len(self._lanes) > 1 and R == self._rows and self._split_age < REFRESH
+        n = len(self._lanes) if split_alike else 1
         while n <= MAX_CHUNKS and n <= max(1, R):
-            parts, made = [], []
-            for j in range(n):
-                a, b = R * j // n, R * (j + 1) // n
-                out = self.layout(group[a:b], last[j] if len(last) == n else None)
-                if out is None:
-                    break
-                parts.append((a, b, out[0]))
-                made.append(out[1])
-            else:
-                self._lanes, self._rows = made, R
-                self.lane_steps += sum(1 for lanes in made if lanes.age)
-                if n > 1:
-                    self.split_steps += 1
-                    self._split_age = 1 if start == 1 else self._split_age + 1
-                else:
-                    self._split_age = 0
-                return parts
-            for _, _, arrays in parts:  # (the chunks laid out before one did not fit)
-                self.pool.free(arrays[2])
+            chunks = self._chunks(group, n)
+            if chunks is not None:
+                self._split_age = 0 if n == 1 else (self._split_age + 1 if split_alike else 1)
+                self.split_steps += n > 1
+                return chunks
             n *= 2
         self._lanes = []
         return None
 
-    def layout(self, group, lanes: Lanes | None = None) -> tuple[tuple, Lanes] | None:
-        """The host arrays of one forward over ``group`` and their :class:`.lanes.Lanes`, or
-        None when it is too wide for this path. The arrays: ``(ids, positions, new_slots,
-        table, pads, prefix)`` (see :meth:`.cascade.DecodeBuffers.fill`; new slots are taken
+    def _chunks(self, group, n: int) -> list[Chunk] | None:
+        """``group`` as ``n`` equal chunks, each laid out (from the same chunk of the last step
+        when the last step had ``n``); None, with the slots of the chunks laid out so far given
+        back, when one does not fit. Keeps the chunks' lanes for the next step."""
+        R, last = len(group), self._lanes
+        chunks, lanes = [], []
+        for j in range(n):
+            a, b = R * j // n, R * (j + 1) // n
+            out = self.layout(group[a:b], last[j] if len(last) == n else None)
+            if out is None:
+                for c in chunks:
+                    self.pool.free(c.layout.new_slots)
+                return None
+            chunks.append(Chunk(a, b, out[0]))
+            lanes.append(out[1])
+        self._lanes, self._rows = lanes, R
+        self.lane_steps += sum(1 for ln in lanes if ln.age)
+        return chunks
+
+    def layout(self, group, lanes: Lanes | None = None) -> tuple[StepLayout, Lanes] | None:
+        """The :class:`.cascade.StepLayout` of one forward over ``group`` and its
+        :class:`.lanes.Lanes`, or None when it is too wide for this path (new slots are taken
         from the pool here). When every path extends a context of ``lanes`` (a last forward's
         rows) by one token, the table is those rows plus a column; otherwise, or every
         :data:`.lanes.REFRESH` steps, the tree's segments are laid out again
@@ -217,48 +261,66 @@ class DecodeStep:
         R = len(group)
         if R > MAX_ROWS:
             return None
-        pool, past = self.pool, None
-        rows = None if lanes is None else lanes.rows(group, pool.frees)
-        if rows is not None:  # the last step's rows, gathered (see .lanes)
-            past, pads = lanes.gather(rows)
-            prefix, age = lanes.prefix, lanes.age + 1
-            if _pow2(R) * bucket(R, past.shape[1] + 1, 0)[1] > MAX_TABLE_SLOTS:
-                past = None  # (a full layout may share more)
-        if past is None:
-            # level 0 is the prefix of two or more rows; a single row's whole context is its
-            # own (its width then grows through power-of-two buckets, not a prefix bucket per 256)
-            shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
-                                             shared_by_all=True)
-            prefix = (np.concatenate([s for s, _ in shared]) if shared
-                      else np.empty(0, dtype=np.int64))
-            width = int(private.path_lengths().max()) + 1 if R else 1
-            if _pow2(R) * bucket(R, width, 0)[1] > MAX_TABLE_SLOTS:
-                return None
-            new_slots = pool.alloc(R)
-            table, pads = private.layout(new_slots[:, None])
-            age = 0
-        else:
-            new_slots = pool.alloc(R)
+        rows = None if lanes is None else lanes.rows(group, self.pool.frees)
+        past = None if rows is None else self._from_lanes(lanes, rows)
+        if past is not None:
+            (past, pads), prefix, age = past, lanes.prefix, lanes.age + 1
+            new_slots = self.pool.alloc(R)
             table = np.concatenate([past, new_slots[:, None]], axis=1)
+        else:
+            full = self._from_tree(group)
+            if full is None:
+                return None
+            new_slots, table, pads, prefix = full
+            age = 0
         ids = np.fromiter((p.tokens[-1] for p in group), dtype=np.int64, count=R)
         positions = np.fromiter((p.cached for p in group), dtype=np.int64, count=R)
-        return ((ids, positions, new_slots, table, pads, prefix),
-                Lanes(group, table, pads, prefix, pool.frees, age))
+        return (StepLayout(ids, positions, new_slots, table, pads, prefix),
+                Lanes(group, table, pads, prefix, self.pool.frees, age))
 
-    def run(self, arrays) -> tuple[torch.Tensor, int]:
-        """Run one step from :meth:`layout`'s arrays; return the rows' logits float32 ``[R, V]``
-        (a view of the bucket's static buffer: read it before the next step) and the KV bytes
-        attention read."""
-        ids, positions, new_slots, table, pads, prefix = arrays
-        R, W = table.shape
+    @staticmethod
+    def _fits(rows: int, width: int) -> bool:
+        """Whether a table of ``rows`` x ``width`` (bucketed) stays within
+        :data:`MAX_TABLE_SLOTS`."""
+        return _pow2(rows) * bucket(rows, width, 0)[1] <= MAX_TABLE_SLOTS
+
+    def _from_lanes(self, lanes: Lanes, rows: np.ndarray):
+        """``(past, pads)`` gathered from the last step's ``rows`` (:meth:`.lanes.Lanes.gather`),
+        or None when its table with a new column would not fit (a full layout may share more)."""
+        past, pads = lanes.gather(rows)
+        return (past, pads) if self._fits(len(rows), past.shape[1] + 1) else None
+
+    def _from_tree(self, group):
+        """``(new_slots, table, pads, prefix)`` of a full layout from the tree's segments, or
+        None (nothing taken from the pool) when the table would not fit. Level 0 is the prefix
+        of two or more rows; a single row's whole context is its own (its width then grows
+        through power-of-two buckets, not a prefix bucket per 256)."""
+        R = len(group)
+        shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
+                                         shared_by_all=True)
+        prefix = (np.concatenate([s for s, _ in shared]) if shared
+                  else np.empty(0, dtype=np.int64))
+        width = int(private.path_lengths().max()) + 1 if R else 1
+        if not self._fits(R, width):
+            return None
+        new_slots = self.pool.alloc(R)
+        table, pads = private.layout(new_slots[:, None])
+        return new_slots, table, pads, prefix
+
+    def forward(self, layout: StepLayout) -> tuple[torch.Tensor, int]:
+        """Run one forward of the step from its ``layout``; return the rows' logits float32
+        ``[R, V]`` (a view of the bucket's static buffer: read it before the next forward) and
+        the KV bytes attention read."""
+        R, W = layout.table.shape
+        P = len(layout.prefix)
         if self.pool.version != self._version:  # the store moved: graphs hold its old address
             self.clear()
             self._version = self.pool.version
-        key = bucket(R, W, len(prefix))
+        key = bucket(R, W, P)
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
-        buf.fill(ids, positions, new_slots, table, pads, prefix)
+        buf.fill(layout)
         self.steps += 1
         graph = self.graphs.get(key)
         if graph is None and self.graphs_on and self.failed is None \
@@ -269,7 +331,7 @@ class DecodeStep:
             self.replays += 1
         else:
             self._forward(buf)
-        return buf.logits[:R], self.pool.token_bytes * (len(prefix) + R * (W - 1))
+        return buf.logits[:R], self.pool.token_bytes * (P + R * (W - 1))
 
     def _forward(self, buf: DecodeBuffers) -> None:
         model = self.model
@@ -317,4 +379,4 @@ class DecodeStep:
         return graph
 
 
-__all__ = ["DecodeStep", "bucket", "is_uniform"]
+__all__ = ["Chunk", "DecodeStep", "bucket", "is_uniform"]

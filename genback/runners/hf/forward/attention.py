@@ -37,6 +37,11 @@ import torch.nn.functional as F
 NAME = "genback_tree"
 _local = threading.local()
 
+# the attention op of every tree forward: torch's fused attention ops that return the LSE (CPU:
+# 6.5x faster than the scores materialised, "math", for 768 stacked queries over a 4,000-token
+# segment, measured); "math" stays for the tests that compare the two
+KERNEL = "flash"
+
 
 @dataclass
 class Segment:
@@ -78,11 +83,7 @@ class TreeBatch:
     index: torch.Tensor | None
     P: int
     mask: torch.Tensor
-    # "flash": torch's fused attention ops that return the LSE (CPU: 6.5x faster than "math" for
-    # 768 stacked queries over a 4,000-token segment, measured); "math": scores materialised
-    kernel: str = "flash"
     out: torch.Tensor | None = None
-    bytes_read: int = field(default=0)  # KV bytes attention read (all layers), for statistics
     _bias: dict = field(default_factory=dict, repr=False)  # (groups, dtype) -> bias
 
     def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -195,7 +196,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
                                                  enable_gqa=G > 1)
         return out.transpose(1, 2).contiguous(), None
     # mask [R, 1, m, P+m] -> additive bias per grouped query [R, 1, G*m, P+m]
-    out, lse = _attend(qg, k, v, scale, batch.kernel, batch.bias(G, query.dtype))
+    out, lse = _attend(qg, k, v, scale, KERNEL, batch.bias(G, query.dtype))
     out = out.float()
 
     # 2. shared segments: every row below a segment attends to it in one product
@@ -204,7 +205,7 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
         qs = qg if seg.paths is None else qg.index_select(0, seg.paths)
         n = seg.n_paths
         qs = qs.transpose(0, 1).reshape(1, Hkv, n * G * m, D)
-        o_s, l_s = _attend(qs, ks[None], vs[None], scale, batch.kernel)
+        o_s, l_s = _attend(qs, ks[None], vs[None], scale, KERNEL)
         o_s = o_s[0].reshape(Hkv, n, G * m, D).transpose(0, 1).float()
         l_s = l_s[0].reshape(Hkv, n, G * m).transpose(0, 1)
         if seg.paths is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ....query import Prefill, Query, Score
+from ....query import Prefill, Query
 from .batch import Path, query_path
 
 
@@ -59,13 +59,6 @@ class ForwardBudget:
                 f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
         # half the limit each for a prefill chunk and a target slice, which may share a forward
         chunk = max(1, limit // (2 * L * self.score_bytes))  # KV-only prefill: no logits
-        pieces: list[Query] = [Prefill(q.tokens[:end], q.adapter)
-                               for end in range(done + chunk, L - n_out + 1, chunk)]
-        if not isinstance(q, Score):  # a next-token row, a decoding step or a prefill
-            return pieces + [q]
-        step = max(1, limit // (2 * per_position))
-        n = len(q.targets)
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            pieces.append(Score(q.tokens[: L - n + b], q.targets[a:b], q.adapter, q.greedy))
-        return pieces
+        prefills: list[Query] = [Prefill(q.tokens[:end], q.adapter)
+                                 for end in range(done + chunk, L - n_out + 1, chunk)]
+        return prefills + q.slices(max(1, limit // (2 * per_position)))

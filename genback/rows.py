@@ -1,0 +1,98 @@
+"""A next-token row's memory: who makes each copy of a row, who keeps it, and in what blocks.
+
+A row is float32 ``[V]`` (``V`` the logit width). Its life, and the one rule at each step:
+
+1. **Made** by a runner's forward: :func:`log_softmax_rows` computes a step's rows as views of
+   blocks (on an accelerator one block per step, one kernel; in host memory blocks of
+   :data:`HOST_BLOCK_BYTES`, which malloc recycles).
+2. **Kept** by the output cache (:class:`genback.core.output_cache.OutputCache`): it keeps the
+   view it was given, and at a row's first hit a compact copy (:func:`compact`), so a hot row
+   does not keep its step's block alive after its siblings left.
+3. **Handed out**: every caller gets a tensor of its own, never the cache's or another caller's.
+   The batcher's callers get copies made in blocks (:func:`owned_copies`: one copy per block,
+   not a ``clone`` per row); the second and later callers of one query in a batch, a caller
+   served from the cache, and the callers of a runner that schedules itself get a clone
+   (:func:`own`, through :func:`copy_result` for the batcher).
+
+Block sizes, in one table (every constant below is used here only):
+
+| what | where | block |
+|---|---|---|
+| log-softmax rows | host memory | :data:`HOST_BLOCK_BYTES` (1 MiB) |
+| log-softmax rows | accelerator | the whole step (one kernel) |
+| callers' copies | host memory | :data:`HOST_BLOCK_BYTES` (1 MiB) |
+| callers' copies | accelerator | :data:`DEVICE_COPY_BLOCK_BYTES` (8 MiB) |
+
+Measured (``benchmarks/RESULTS.md``, "Rows in host memory"): one block of a whole step's rows
+in host memory was a fresh allocation of ``N x V x 4`` bytes each step (above glibc's largest
+mmap threshold, 32 MiB, every page faults when written): SmolLM2's 49,152-wide rows, 256 per
+step with 4,096 kept, cost ~115-260 µs per row that way and ~43 µs in blocks of 4 rows; a
+``clone`` per caller cost 80 µs per row against 26 µs in 1 MiB blocks. On an accelerator a
+``clone`` is a kernel launch each (256-512 of a 256-particle step's ~1,100 launches on an
+H100); a row a caller keeps keeps its block alive, so callers' blocks are bounded (8 MiB) rather
+than one per step (256 rows of a 128k vocabulary: 128 MiB).
+"""
+
+from __future__ import annotations
+
+import torch
+
+HOST_BLOCK_BYTES = 1 << 20
+"""Bytes of a block of rows in host memory (log-softmax rows and callers' copies)."""
+
+DEVICE_COPY_BLOCK_BYTES = 8 << 20
+"""Most bytes of a block of callers' copies on an accelerator."""
+
+
+def _per_block(row_bytes: int, limit: int) -> int:
+    """Rows of ``row_bytes`` per block of at most ``limit`` bytes (at least one)."""
+    return max(1, limit // max(1, row_bytes))
+
+
+def log_softmax_rows(logits: torch.Tensor, row_device: torch.device) -> list[torch.Tensor]:
+    """``log_softmax`` of each row of ``logits`` ``[K, V]`` (any float dtype, on the model's
+    device) as float32 ``[V]`` tensors on ``row_device``: views of blocks of
+    :data:`HOST_BLOCK_BYTES` when they land in host memory, of one block otherwise."""
+    K, V = logits.shape
+    per = _per_block(4 * V, HOST_BLOCK_BYTES) if row_device.type == "cpu" else K
+    on_device = logits.device.type != "cpu"
+    if on_device:  # one kernel where it runs; moved to row_device block by block
+        logits = torch.log_softmax(logits.float(), dim=-1)
+    out: list[torch.Tensor] = []
+    for a in range(0, K, per):
+        block = logits[a:a + per]
+        if not on_device:
+            block = torch.log_softmax(block.float(), dim=-1)
+        out.extend(block.to(row_device).unbind(0))
+    return out
+
+
+def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of equal-shaped ``rows`` (one device, one dtype), one copy per block of at most
+    :data:`DEVICE_COPY_BLOCK_BYTES` (:data:`HOST_BLOCK_BYTES` in host memory; at least one row
+    each): each copy a view of its block."""
+    limit = HOST_BLOCK_BYTES if rows[0].is_cpu else DEVICE_COPY_BLOCK_BYTES
+    per = _per_block(rows[0].nbytes, limit)
+    out: list[torch.Tensor] = []
+    for a in range(0, len(rows), per):
+        out.extend(torch.stack(rows[a:a + per]).unbind(0))
+    return out
+
+
+def own(row: torch.Tensor) -> torch.Tensor:
+    """A caller's own copy of a shared row (cached, or another caller's): a clone."""
+    return row.clone()
+
+
+def copy_result(result):
+    """The batcher's copy for the second and later callers of one query: a row is cloned
+    (:func:`own`); any other result (a score, a choice) is shared."""
+    return own(result) if isinstance(result, torch.Tensor) else result
+
+
+def compact(row):
+    """The output cache's copy of a row found again: a view of a larger block becomes a
+    compact copy (a clone); anything else is kept as it is."""
+    if type(row) is torch.Tensor and row._base is not None:
+        return row.clone()
+    return row

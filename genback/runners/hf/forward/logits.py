@@ -1,0 +1,65 @@
+"""The logits a forward needs: the language-model head runs only at the (path, position)
+pairs some output asks for (``logits_to_keep`` and a pre-hook on the output embeddings)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan.batch import Path
+from .base import as_long
+
+
+def output_spans(paths: list[Path]) -> list[tuple[int, int, int]]:
+    """``(path index, first, stop)`` per output with logits, paths' outputs in order: the
+    positions in the new-token axis (``0 .. m - 1``) whose logits the output needs."""
+    return [(i, o.end - o.query.n_outputs - p.cached, o.end - p.cached)
+            for i, p in enumerate(paths) for o in p.outputs if o.query.n_outputs]
+
+
+def _wanted(spans) -> list[int]:
+    """Positions (in the new-token axis) whose logits some output needs, sorted."""
+    return sorted({j for _, a, b in spans for j in range(a, b)})
+
+
+def _flat_positions(spans, wanted: list[int]) -> list[int]:
+    """Flat indices into the ``[R, len(wanted)]`` grid of the (path, position) pairs the outputs
+    need, output by output (each output's positions in order)."""
+    column = {j: k for k, j in enumerate(wanted)}
+    W = len(wanted)
+    return [i * W + column[j] for i, a, b in spans for j in range(a, b)]
+
+
+def run_model(model, input_ids, positions, spans, cache, attention_mask=None):
+    """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`_flat_positions`).
+
+    The language-model head runs only on those positions: a pre-hook on the output embeddings
+    selects them from the hidden states ``[R, W, H]`` of the union of the paths' positions
+    (``logits_to_keep``), so paths that need different positions pay for their own only.
+    """
+    dev = model.device if hasattr(model, "device") else input_ids.device
+    wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
+    flat = as_long(_flat_positions(spans, wanted), dev)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+    def select(module, args):  # hidden [R, W, H] -> [1, K, H]
+        hidden = args[0]
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)[None],) + args[1:]
+
+    handle = head.register_forward_pre_hook(select) if head is not None else None
+    try:
+        with torch.inference_mode():
+            out = model(
+                input_ids=input_ids.to(dev),
+                attention_mask=attention_mask,
+                position_ids=positions.to(dev),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=dev),
+            )
+    finally:
+        if handle is not None:
+            handle.remove()
+    logits = out.logits
+    if head is None:  # no head module to hook: select from the full grid
+        logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
+    return out, logits.reshape(-1, logits.shape[-1])

@@ -1,0 +1,84 @@
+"""The tree forward: a group of paths through the model with tree attention (:mod:`.attention`):
+shared segments are read in place once for all paths below them; each path's private past is
+gathered layer by layer from the runner's :class:`~..cache.kv_pool.KVPool`; the new tokens'
+KV is written to fresh pool slots."""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.kv_pool import KVPool, run_start
+from ..plan.batch import Path
+from ..plan.segments import split_segments
+from . import attention
+from .base import ForwardOut, as_long, model_inputs, new_slots, split_new_slots
+from .logits import output_spans, run_model
+from .results import outputs
+from .tree_cache import TreeCache
+
+
+class TreeForward:
+    """The tree forward of the runner's model over its pool (one per runner).
+
+    Args:
+        model: the causal LM (transformers, attention interface; :func:`.attention.register`
+            done).
+        pool: the runner's :class:`~..cache.kv_pool.KVPool` (the paths' cached KV, and where the
+            new tokens' KV goes).
+        pad_id: the token id of the inputs' right padding.
+        min_shared_tokens: see :func:`..plan.segments.split_segments`.
+        row_device: where next-token rows go.
+    """
+
+    def __init__(self, model, pool: KVPool, *, pad_id: int, min_shared_tokens: int,
+                 row_device: torch.device):
+        self.model, self.pool, self.pad_id = model, pool, pad_id
+        self.min_shared_tokens, self.row_device = min_shared_tokens, row_device
+
+    def run(self, paths: list[Path]) -> ForwardOut:
+        """Forward ``paths`` with tree attention (:class:`.base.ForwardOut`; the new slots are
+        freed again if the forward fails)."""
+        pool = self.pool
+        input_ids, positions, n_new = model_inputs(paths, self.pad_id)
+        R, m = input_ids.shape
+        shared, private = split_segments(paths, self.min_shared_tokens)
+        slots = new_slots(pool, n_new, m)
+        try:
+            layout, pads = private.layout(slots)
+            batch = _tree_batch(pool, shared, layout, pads, slots, R, m)
+            with attention.active(batch), attention.use_tree_attention(self.model.config):
+                _, logits = run_model(self.model, input_ids, positions, output_spans(paths),
+                                      TreeCache(batch))
+        except BaseException:
+            pool.free(slots[slots > 0])
+            raise
+        read = pool.token_bytes * (sum(len(s) for s, _ in shared) + R * batch.P)
+        return ForwardOut(outputs(paths, logits, self.row_device), split_new_slots(n_new, slots),
+                          read)
+
+
+def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int
+                ) -> attention.TreeBatch:
+    """The :class:`.attention.TreeBatch` of a forward of ``R`` rows of ``m`` new tokens:
+    ``shared`` segments ``(slots, rows)`` read in place; ``layout`` ``int64 [R, P + m]`` each
+    row's left-padded private past and new tokens, ``pads`` ``int64 [R]`` its padding; ``slots``
+    ``int64 [R, m]`` the new tokens' slots."""
+    dev = pool.device
+    P = layout.shape[1] - m
+    mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
+    mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
+    index = out = None
+    if P:
+        # each row's left padding of the private past: columns < pad are masked (one op)
+        mask[:, 0, :, :P] = (torch.arange(P)[None, :]
+                             >= torch.from_numpy(pads)[:, None])[:, None, :]
+        index = torch.from_numpy(layout.ravel()).to(dev)
+        out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype, device=dev)
+    segments = []
+    for seg_slots, idx in shared:
+        start = run_start(seg_slots)
+        segments.append(attention.Segment(
+            start, None if start >= 0 else torch.from_numpy(seg_slots).to(dev), len(seg_slots),
+            None if len(idx) == R else as_long(idx, dev), len(idx)))
+    return attention.TreeBatch(segments, pool, torch.from_numpy(slots.ravel()).to(dev), index, P,
+                               mask.to(dev), out)
