@@ -41,9 +41,9 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
 - ``gc/q``: wall time of Python's cyclic garbage collections during the step, whichever thread ran
   them (``gc.callbacks``); part of ``caller/q`` / ``worker/q``. genback freezes the heap of the
-  loaded libraries at the first model (:mod:`genback.heap`), so collections no longer walk torch
+  loaded libraries at the first model (:mod:`genback.cpython`), so collections no longer walk torch
   and transformers, and it untracks every validated context tuple of at least 32 tokens
-  (:func:`genback.heap.untrack_ids`), so no collection walks those either;
+  (:func:`genback.cpython.untrack_ids`), so no collection walks those either;
 - ``ctx-gc/q``: the caller's own cost of holding its contexts as lists, *not* part of ``host/q``.
   A list is never untracked, so every collection of its generation walks it item by item: 256 new
   16,000-token lists per step are ~4 million items. The trace collects them (``gc.collect(1)``,

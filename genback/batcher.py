@@ -50,10 +50,9 @@ class BatcherClosed(BatchAbandoned):
 
 
 class _Entry:
-    __slots__ = ("key", "query", "futures")
+    __slots__ = ("query", "futures")
 
-    def __init__(self, key, query, future):
-        self.key = key
+    def __init__(self, query, future):
         self.query = query
         self.futures = [future]
 
@@ -165,7 +164,7 @@ class Batcher:
                     if not state.window_expired and state.timer is None:
                         state.timer = loop.call_later(self.window, self._on_window, state)
                 # a replaced entry had only cancelled callers
-                state.pending[key] = _Entry(key, query, future)
+                state.pending[key] = _Entry(query, future)
             ready = state.window_expired or len(state.pending) >= self.max_batch_size
             check = not ready and not state.check_queued and state.sizes[1] > 0
             if check:
@@ -336,17 +335,13 @@ class Immediate:
     Args:
         answer: ``async answer(query) -> result``.
         reset: ``reset(message) -> callers failed``: abort everything in flight.
-        window, max_batch_size: kept for ``AsyncLM``'s ``batch_window`` / ``batch_size``
-            properties (the engine sizes its own batches).
         count: ``count() -> int``, the queries the engine has been sent (reported as batches).
     """
 
-    def __init__(self, answer, reset, *, window: float, max_batch_size: int, count=lambda: 0):
+    def __init__(self, answer, reset, *, count=lambda: 0):
         self._answer = answer
         self._reset = reset
         self._count = count
-        self.window = Batcher.check_window(window)
-        self.max_batch_size = max_batch_size
         self._closed = False
 
     @property

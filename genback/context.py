@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from itertools import chain
 
-from .heap import untrack_ids
+from .cpython import untrack_ids
 
 # most tokens a context's tail holds; the next extension copies base + tail into a new base
 TAIL_MAX = 64

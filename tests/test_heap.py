@@ -1,4 +1,4 @@
-"""The heap freeze at the first model's construction (genback.heap)."""
+"""The heap freeze at the first model's construction (genback.cpython)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ print(before, after_first, gc.get_freeze_count())
 
 def _run(env_value):
     env = dict(os.environ)
-    env.pop("GENBACK_GC_FREEZE", None)
+    env.pop("GENBACK_CPYTHON_SPEEDUPS", None)
     if env_value is not None:
-        env["GENBACK_GC_FREEZE"] = env_value
+        env["GENBACK_CPYTHON_SPEEDUPS"] = env_value
     tests = os.path.dirname(__file__)
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=tests)], env=env,
                          capture_output=True, text=True, timeout=300)
@@ -53,7 +53,7 @@ def test_gc_freeze_can_be_turned_off():
 def test_validated_contexts_are_untracked_by_the_garbage_collector():
     import gc
 
-    from genback.heap import UNTRACK_MIN, untrack_ids
+    from genback.cpython import UNTRACK_MIN, untrack_ids
     from genback.core.inputs import ContextChecker
 
     checker = ContextChecker(vocab_size=50_000)
@@ -90,7 +90,7 @@ def test_kv_tree_edges_are_untracked_by_the_garbage_collector():
 
     import numpy as np
 
-    from genback.heap import UNTRACK_MIN
+    from genback.cpython import UNTRACK_MIN
     from genback.runners.hf.cache.kvtree import KVTree
 
     def kv(n):  # n pool slots (the tree only indexes them here)
@@ -124,3 +124,20 @@ def test_kv_tree_edges_are_untracked_by_the_garbage_collector():
         assert all(not gc.is_tracked(e) for e in edges if len(e) >= UNTRACK_MIN)
     finally:
         gc.enable()
+
+
+def test_one_switch_turns_every_cpython_speedup_off():
+    """``GENBACK_CPYTHON_SPEEDUPS=0``: contexts are compared by value (``same_items`` answers
+    nothing), no tuple is untracked, the heap is not frozen; on (the default) all three act."""
+    script = (
+        "import gc\n"
+        "from genback import cpython\n"
+        "t = tuple(range(1000, 1100)); a, b = object(), object()\n"
+        "print(int(cpython.ENABLED), int(cpython.same_items([a, b], (a, b), 2)),\n"
+        "      int(gc.is_tracked(cpython.untrack_ids(t))), int(cpython.freeze_startup_heap()))\n")
+    for value, want in (("0", [0, 0, 1, 0]), ("1", [1, 1, 0, 1])):
+        env = dict(os.environ, GENBACK_CPYTHON_SPEEDUPS=value)
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert [int(x) for x in out.stdout.split()] == want, value

@@ -1,4 +1,4 @@
-"""genback.identity.same_items against Python's own comparisons, and the context checker's two
+"""genback.cpython.same_items against Python's own comparisons, and the context checker's two
 ways of matching a remembered context (identity in C, then values) giving the same answers."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback import identity
-from genback.identity import same_items
+from genback import cpython as identity
+from genback.cpython import same_items
 from genback.core import inputs
 from genback.core.inputs import IDENTITY_MIN, ContextChecker
 

@@ -312,7 +312,7 @@ async def test_queries_stay_immutable_and_cached_keys_drop_the_lineage_hint(tiny
     await tiny_lm.next_token_logprobs(list(parent))
     query = tiny_lm.front.next_token(list(parent) + [4881], None)
     assert query.parent == parent  # found by lineage: the validated parent context
-    [row] = tiny_lm.front.compute([query])
+    [row] = tiny_lm.front.ask_sync([query])
     assert query.parent == parent
     cached = tiny_lm.front.cache.get(NextToken(query.tokens))
     assert cached is not None and torch.equal(cached, row)

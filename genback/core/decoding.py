@@ -138,7 +138,7 @@ class Decoding:
                          min_new_tokens, stop_token_ids) -> tuple[list[int], frozenset[int]]:
         """Checked ``(prompt ids, ender ids)`` of a :meth:`generate_stream` call; raises as it
         documents."""
-        prompt = list(self.front.context(prompt_token_ids, "prompt_token_ids")[0])
+        prompt = list(self.front.tokens(prompt_token_ids, "prompt_token_ids"))
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a genback.sampling.SamplingParams, got "
                             f"{type(params).__name__}: {params!r}")
@@ -211,7 +211,7 @@ class Decoding:
     def check_sample_args(self, prompt_token_ids, max_tokens, eos_token_ids, temperature):
         """Checked ``(prompt ids as a list, eos ids as a set)`` of a ``sample`` call; raises as
         :meth:`sample` documents."""
-        prompt = list(self.front.context(prompt_token_ids, "prompt_token_ids")[0])
+        prompt = list(self.front.tokens(prompt_token_ids, "prompt_token_ids"))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):

@@ -1,23 +1,28 @@
 """``Front``: the one path every query of an ``AsyncLM`` takes, whatever its kind and backend.
 
-It holds, as explicit parts:
+It holds, as explicit parts: the input checks (:class:`.inputs.ContextChecker`: a context that
+extends a validated one is checked in work independent of its length; the model's window); the
+output cache of next-token rows (:class:`~genback.core.output_cache.OutputCache`); the adapters
+(:class:`~genback.core.adapters.Adapters`, when the runner declares them); the counters; the
+forward lock, which serialises the runner's use; and the scheduler, built from what the runner
+declares (:class:`~genback.runner.Capabilities`): genback's :class:`~genback.batcher.Batcher`, or
+:class:`~genback.batcher.Immediate` for a runner whose engine batches by itself.
 
-* the input checks: token ids (:class:`.inputs.ContextChecker`: a context that extends a validated
-  one is checked in work independent of its length), the model's window;
-* the output cache (:class:`~genback.core.output_cache.OutputCache`) of next-token rows, written in one
-  place (:meth:`Front.store`) for every scheduler;
-* the adapters (:class:`~genback.core.adapters.Adapters`, when the runner declares them): names ->
-  keys (:meth:`Front.adapter_key`) and the errors of retired keys (:meth:`Front.adapter_error`);
-* the counters (``queries``, ``tokens_queried``);
-* the forward lock, which serialises the runner's use;
-* the scheduler, built from what the runner declares (:class:`~genback.runner.Capabilities`):
-  genback's :class:`~genback.batcher.Batcher` (its batches go to :meth:`Front.compute` on the worker
-  thread), or :class:`~genback.batcher.Immediate` for a runner whose engine batches by itself
-  (each query goes to :meth:`Front.answer_one`).
+Four ways in, and the path each takes:
 
-A query's path: ``AsyncLM`` method -> :meth:`Front.context` -> the query kind -> :meth:`Front.ask`
--> output cache or scheduler -> :meth:`Front.compute` (the worker) -> ``runner.run`` -> the
-runner's plan and forwards -> :meth:`Front.store` -> the caller's future.
+* :meth:`Front.ask` (``await``): :meth:`Front.lookup` (counted; a cached row is answered at
+  once), else :meth:`Front.submit`: the scheduler's future. The batcher runs its batches on its
+  worker thread through the front's compute step: rows cached meanwhile are taken, the rest go
+  to ``runner.run`` under the forward lock, next-token rows are stored in the output cache, and
+  each caller gets its own copy (:mod:`genback.rows`). With ``Immediate``, each query goes to
+  the runner's ``answer_shared`` and its row is stored.
+* :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
+  (``next_token_logprobs``: no coroutine of its own per query).
+* :meth:`Front.ask_sync`: distinct queries computed on the calling thread in one batch, by the
+  same compute step.
+
+The queries themselves are built by :meth:`Front.next_token` and :meth:`Front.score` from
+checked ids (:meth:`Front.tokens` checks ids alone).
 """
 
 from __future__ import annotations
@@ -64,8 +69,8 @@ class Front:
         self.adapters = Adapters(runner, self) if self.capabilities.adapters else None
         size = check_positive_int(batch_size, "batch_size")
         if self.capabilities.batching == "engine":
-            self.scheduler = Immediate(self.answer_one, runner.reset, window=batch_window,
-                                       max_batch_size=size, count=runner.requests)
+            Batcher.check_window(batch_window)  # (validated, unused: the engine sizes batches)
+            self.scheduler = Immediate(self._answer_one, runner.reset, count=runner.requests)
         else:
             self.scheduler = Batcher(self._compute_owned, window=batch_window,
                                      max_batch_size=size, copy=copy_result)
@@ -78,17 +83,14 @@ class Front:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def context(self, token_ids, name: str = "token_ids"
-                ) -> tuple[tuple[int, ...], int, Context | None]:
-        """``(ids, context_hash(ids), parent)`` of a checked context, ``ids`` a flat tuple (see
-        :meth:`.inputs.ContextChecker.check`).
+    def tokens(self, token_ids, name: str = "token_ids") -> tuple[int, ...]:
+        """The checked ids ``token_ids`` as a flat tuple (see :meth:`checked`).
 
         Raises:
             TypeError / ValueError: bad ids (the message names ``name``), or more tokens than
                 ``max_context_length``.
         """
-        ctx, h, parent = self.checked(token_ids, name)
-        return ctx.tokens, h, parent
+        return self.checked(token_ids, name)[0].tokens
 
     def checked(self, token_ids, name: str = "token_ids"
                 ) -> tuple[Context, int, Context | None]:
@@ -96,7 +98,7 @@ class Front:
         :class:`~genback.context.Context` (see :meth:`.inputs.ContextChecker.check_context`).
 
         Raises:
-            TypeError / ValueError: as :meth:`context`.
+            TypeError / ValueError: as :meth:`tokens`.
         """
         ctx, h, parent = self.contexts.check_context(token_ids, name)
         if self.max_context_length and len(ctx) > self.max_context_length:
@@ -109,7 +111,7 @@ class Front:
         the front's :class:`~genback.context.Context`: no flat tuple is built for it).
 
         Raises:
-            TypeError / ValueError: as :meth:`context`.
+            TypeError / ValueError: as :meth:`tokens`.
         """
         ctx, h, parent = self.checked(token_ids, name)
         return NextToken(ctx, adapter, h, parent)
@@ -121,7 +123,7 @@ class Front:
         Raises:
             TypeError / ValueError: bad or empty ids, or inputs longer than the window.
         """
-        context = self.context(context_ids, "context_ids")[0]
+        context = self.tokens(context_ids, "context_ids")
         continuation = self.contexts(continuation_ids, "continuation_ids")
         check_pair(len(context), len(continuation), self.max_context_length)  # (the session's too)
         return Score(context + continuation[:-1], continuation, adapter, greedy=greedy)
@@ -187,11 +189,6 @@ class Front:
         scheduler's future, or its coroutine for an engine that schedules itself)."""
         return self._submit(query, query)
 
-    def enqueue(self, query: Query):
-        """:meth:`submit` as a future on the running loop (genlm-backend's ``add_query``), for a
-        counted ``query`` that :meth:`lookup` did not find."""
-        return self.scheduler.enqueue(query, query)
-
     def ask_sync(self, queries: list[Query]) -> list:
         """Results of distinct checked queries, computed on the calling thread in one batch.
 
@@ -201,23 +198,11 @@ class Front:
         self.check_open()
         for q in queries:
             self.count(len(q.context))
-        results = self.compute(queries)
+        results = self._compute(queries)
         for value in results:
             if isinstance(value, BaseException):
                 raise value
         return results
-
-    def rows_sync(self, queries: list[NextToken]):
-        """Rows of next-token queries (:meth:`next_token`'s: their contexts checked, with the
-        lineage hint an SMC step's runner uses), computed on this thread in one batch: float32
-        ``[len(queries), V]`` (stacked: the caller's own copy).
-
-        Raises:
-            Exception: as :meth:`ask_sync`.
-        """
-        distinct = list(dict.fromkeys(queries))
-        rows = dict(zip(distinct, self.ask_sync(distinct)))
-        return torch.stack([rows[q] for q in queries])
 
     def pin(self, tokens: tuple[int, ...], adapter: int | None) -> None:
         """Compute and keep the KV of checked ``tokens`` under ``adapter`` (``runner.pin``).
@@ -239,27 +224,23 @@ class Front:
         with self.lock:
             self.runner.clear(keep_pinned=keep_pinned)
 
-    def store(self, query: Query, value) -> None:
-        """Keep a computed next-token row (with :meth:`store_many`, the only place the output
-        cache is written). The key is the query without its lineage hint
+    # -- the compute step (the batcher's worker, a sync caller, or one query of an engine) --------
+
+    def _store(self, queries, values) -> None:
+        """Keep the computed next-token rows (the only place the output cache is written), under
+        one lock of the cache. The key is the query without its lineage hint
         (:meth:`genback.query.NextToken.without_parent`): the hint served the runner's match, and
         a cached key would otherwise keep its parent context alive too (queries are immutable,
         so the hint is left out of a copy rather than cleared)."""
-        self.store_many((query,), (value,))
-
-    def store_many(self, queries, values) -> None:
-        """:meth:`store` for several queries, under one lock of the cache."""
-        rows = []
-        for query, value in zip(queries, values):
-            if query.cacheable and not isinstance(value, BaseException):
-                rows.append((query.without_parent(), value))
+        rows = [(q.without_parent(), v) for q, v in zip(queries, values)
+                if q.cacheable and not isinstance(v, BaseException)]
         if rows:
             self.cache.put_many(rows)
 
-    def compute(self, queries: list[Query]) -> list:
-        """One result per query (the batch function of the worker, or of a sync caller): a row
-        cached since the query was submitted, else the runner's result, or the exception that
-        fails only that query (its adapter was removed while it waited, or it cannot fit)."""
+    def _compute(self, queries: list[Query]) -> list:
+        """One result per query: a row cached since the query was submitted, else the runner's
+        result, or the exception that fails only that query (its adapter was removed while it
+        waited, or it cannot fit)."""
         results = self.cache.get_many([q if q.cacheable else None for q in queries])
         todo = [i for i, row in enumerate(results) if row is None]
         if todo:
@@ -273,18 +254,14 @@ class Front:
                                             else [queries[i] for i in todo]) if todo else [])
             for i, value in zip(todo, computed):
                 results[i] = value
-            self.store_many([queries[i] for i in todo], computed)
+            self._store([queries[i] for i in todo], computed)
         return results
 
     def _compute_owned(self, queries: list[Query]) -> list:
-        """:meth:`compute` for the batcher: next-token rows come back as the callers' own
-        copies, made in blocks of rows (:func:`owned_copies`); the output cache keeps the rows
-        it was given. One copy per block instead of a ``clone`` per caller: on an accelerator
-        a ``clone`` is a kernel launch each (256-512 of a 256-particle step's ~1,100 launches
-        on an H100, ``benchmarks/RESULTS.md``); in host memory it is ~1.2 µs of dispatch per
-        row at a 512-token vocabulary and a fresh ~200 KB allocation per row at SmolLM2's
-        (80 µs per row against 26 µs in 1 MiB blocks, measured on this project's CPU)."""
-        results = self.compute(queries)
+        """:meth:`_compute` for the batcher: next-token rows come back as the callers' own
+        copies, made in blocks (:func:`genback.rows.owned_copies`); the output cache keeps the
+        rows it was given."""
+        results = self._compute(queries)
         at = [i for i, (q, r) in enumerate(zip(queries, results))
               if q.cacheable and isinstance(r, torch.Tensor)]
         if at:
@@ -292,7 +269,7 @@ class Front:
                 results[i] = row
         return results
 
-    async def answer_one(self, query: Query):
+    async def _answer_one(self, query: Query):
         """One query through a runner that schedules by itself (``Immediate``).
 
         Raises:
@@ -302,12 +279,12 @@ class Front:
         self.check_adapter(query.adapter)
         value = await self.runner.answer_shared(query)
         if self.adapter_error(query.adapter) is None:
-            self.store(query, value)
+            self._store((query,), (value,))
         return value
 
     def owned(self, row: torch.Tensor) -> torch.Tensor:
         """``row`` as the caller's own tensor, from :meth:`submit`'s result for a next-token
-        query: rows from the batcher are copies already (:meth:`_compute_owned`), rows from a
+        query: rows from the batcher are copies already (made in its compute step), rows from a
         runner that schedules itself are cloned."""
         if isinstance(self.scheduler, Batcher):
             return row

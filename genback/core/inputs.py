@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from ..context import Context
-from ..heap import untrack_ids
-from ..identity import same_items
+from ..cpython import untrack_ids
+from ..cpython import same_items
 from ..query import HASH_TAIL, context_hash
 
 
@@ -68,7 +68,7 @@ def check_token_ids(
 
 
 # contexts of at least this many tokens are compared with a validated context's base by identity
-# first (genback.identity.same_items, ~0.6 us whatever the length); shorter ones by value. By
+# first (genback.cpython.same_items, ~0.6 us whatever the length); shorter ones by value. By
 # value touches every int object (the copy raises each one's reference count): 256 contexts of
 # 100 tokens whose ints are distinct objects cost 8.6 us per check by value, 2.8 by identity;
 # with a shared prompt's ints (hot) 2.5 and 2.7 (measured on this project's CPU)
@@ -94,8 +94,8 @@ class ContextChecker:
             the memory holds references to contexts that the output cache and queries mostly
             hold anyway, and extensions share their bases.
 
-    Every flat tuple of at least :data:`genback.heap.UNTRACK_MIN` tokens is untracked by the
-    cyclic garbage collector (:func:`genback.heap.untrack_ids`): it holds exact ints only, and a
+    Every flat tuple of at least :data:`genback.cpython.UNTRACK_MIN` tokens is untracked by the
+    cyclic garbage collector (:func:`genback.cpython.untrack_ids`): it holds exact ints only, and a
     long context would otherwise be walked by the next collection.
 
     Thread-safe for its purpose: a lost update under concurrent use only costs a full check.
@@ -131,7 +131,7 @@ class ContextChecker:
 
         A list or tuple that holds the very int objects of a remembered context's base (an SMC
         program's ``context + [token]``) is compared with it by identity in C
-        (:func:`genback.identity.same_items`, no reference count touched); otherwise, and the
+        (:func:`genback.cpython.same_items`, no reference count touched); otherwise, and the
         tail always, by value.
 
         Raises:
@@ -191,7 +191,7 @@ class ContextChecker:
 def _starts_with(seq, ctx: Context) -> bool:
     """Whether list or tuple ``seq`` starts with validated ``ctx``'s ids: its base by the
     identity of the base's items when it is at least :data:`IDENTITY_MIN` long
-    (:func:`genback.identity.same_items`), else, or when the objects differ, by value; its
+    (:func:`genback.cpython.same_items`), else, or when the objects differ, by value; its
     tail by value."""
     base, tail = ctx.base, ctx.tail
     b = len(base)

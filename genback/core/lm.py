@@ -17,7 +17,7 @@ import asyncio
 import torch
 
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
-from ..heap import freeze_startup_heap
+from ..cpython import freeze_startup_heap
 from ..query import Query  # noqa: F401 (genback.llm's name of the base kind)
 from ..rows import own
 from ..runner import Runner
@@ -47,7 +47,7 @@ class AsyncLM:
             config's); see :attr:`eos_token_ids`.
 
     The first model built in a process freezes the Python heap that exists then
-    (:func:`genback.heap.freeze_startup_heap`; ``GENBACK_GC_FREEZE=0`` turns that off).
+    (:func:`genback.cpython.freeze_startup_heap`; ``GENBACK_CPYTHON_SPEEDUPS=0`` turns that off).
 
     Raises:
         ValueError: an option out of range.
@@ -97,22 +97,39 @@ class AsyncLM:
         return self.front.max_context_length
 
     @property
-    def batch_size(self) -> int:
-        """Most distinct queries per batch; setting it takes effect for the next batch."""
-        return self.scheduler.max_batch_size
+    def batch_size(self) -> int | None:
+        """Most distinct queries per batch of genback's batcher; setting it takes effect for the
+        next batch. None on a backend whose engine sizes its own batches (vLLM).
+
+        Raises:
+            ValueError: set to a non-positive int, or on a backend without genback's batcher.
+        """
+        return self.scheduler.max_batch_size if isinstance(self.scheduler, Batcher) else None
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        self.scheduler.max_batch_size = check_positive_int(value, "batch_size")
+        self._batcher("batch_size").max_batch_size = check_positive_int(value, "batch_size")
 
     @property
-    def batch_window(self) -> float:
-        """Seconds a batch waits for more queries, from its first query; settable."""
-        return self.scheduler.window
+    def batch_window(self) -> float | None:
+        """Seconds a batch of genback's batcher waits for more queries, from its first query;
+        settable. None on a backend whose engine sizes its own batches (vLLM).
+
+        Raises:
+            ValueError: set to a negative or non-finite number, or on a backend without
+                genback's batcher.
+        """
+        return self.scheduler.window if isinstance(self.scheduler, Batcher) else None
 
     @batch_window.setter
     def batch_window(self, value: float) -> None:
-        self.scheduler.window = Batcher.check_window(value)
+        self._batcher("batch_window").window = Batcher.check_window(value)
+
+    def _batcher(self, name: str) -> Batcher:
+        if not isinstance(self.scheduler, Batcher):
+            raise ValueError(f"{name} is a setting of genback's batcher; {type(self).__name__}'s "
+                             f"engine sizes its own batches")
+        return self.scheduler
 
     timeout = property(batch_window.fget, batch_window.fset,
                        doc="genlm-backend's name of :attr:`batch_window`.")
@@ -184,8 +201,8 @@ class AsyncLM:
     # -- queries ----------------------------------------------------------------------------------
 
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
-        """Checked context ids (:meth:`Front.context`, for the backends' own methods)."""
-        return self.front.context(token_ids, name)[0]
+        """Checked context ids (:meth:`.front.Front.tokens`, for the backends' own methods)."""
+        return self.front.tokens(token_ids, name)
 
     async def next_token_logprobs(self, token_ids, lora_name=None) -> torch.Tensor:
         """Log-probs of the next token after ``token_ids``; concurrent calls are batched.
@@ -219,7 +236,7 @@ class AsyncLM:
         It computes on the calling thread (no batching) and shares the caches.
         """
         front = self.front
-        return front.rows_sync([front.next_token(token_ids, front.adapter_key(lora_name))])[0]
+        return _rows_sync(front, [front.next_token(token_ids, front.adapter_key(lora_name))])[0]
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1), row ``i`` that of
@@ -242,7 +259,7 @@ class AsyncLM:
         front = self.front
         contexts = check_list(token_ids_list, "token_ids_list")
         adapter = front.adapter_key(lora_name)
-        return front.rows_sync([front.next_token(ids, adapter, f"token_ids_list[{i}]")
+        return _rows_sync(front, [front.next_token(ids, adapter, f"token_ids_list[{i}]")
                                 for i, ids in enumerate(contexts)])
 
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
@@ -331,7 +348,7 @@ class AsyncLM:
                 (AsyncTransformer) a prompt whose KV alone exceeds the KV budget.
         """
         adapter = self.front.adapter_key(lora_name)
-        self.front.pin(self.front.context(prompt_tokens, "prompt_tokens")[0], adapter)
+        self.front.pin(self.front.tokens(prompt_tokens, "prompt_tokens"), adapter)
 
     def reset_async_queries(self) -> int:
         """Fail every pending query with ``BatcherClosed``; return how many callers were failed.
@@ -405,3 +422,16 @@ class AsyncLM:
     def batch_evaluate_queries(self) -> None:
         """Dispatch the pending batch now: :meth:`.queue_api.QueueAPI.batch_evaluate_queries`."""
         self.queue.batch_evaluate_queries()
+
+
+def _rows_sync(front: Front, queries: list) -> torch.Tensor:
+    """Rows of next-token queries (:meth:`.front.Front.next_token`'s: checked, with the lineage
+    hint an SMC step's runner uses), computed on this thread in one batch: float32
+    ``[len(queries), V]`` (stacked: the caller's own copy).
+
+    Raises:
+        Exception: as :meth:`.front.Front.ask_sync`.
+    """
+    distinct = list(dict.fromkeys(queries))
+    rows = dict(zip(distinct, front.ask_sync(distinct)))
+    return torch.stack([rows[q] for q in queries])

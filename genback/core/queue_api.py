@@ -43,7 +43,7 @@ class QueueAPI:
             if not future.done():
                 future.set_result(own(row))
             return
-        inner = front.enqueue(q)
+        inner = asyncio.ensure_future(front.submit(q))
 
         def relay(done: asyncio.Future) -> None:
             if future.done():

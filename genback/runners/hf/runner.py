@@ -1,9 +1,21 @@
 """``HFRunner``: the runner of ``AsyncTransformer`` (a transformers causal LM over a KV tree).
 
-It owns the KV prefix tree (:mod:`.cache.kvtree`), plans each batch against it (:mod:`.plan.batch`: the work
-of a query is the tokens it forwards beyond its cached prefix), runs the forwards
-(:mod:`.forward.run`: tree attention, or the dense path for models without the attention interface)
-and commits every forwarded token's KV to the tree.
+A batch takes three steps, and the runner knows nothing of a forward's insides:
+
+1. **plan** (:mod:`.plan`): a uniform decode step is one level of one path per query
+   (:func:`.plan.batch.plan_step`); anything else is levels of paths against the KV tree
+   (:func:`.plan.batch.plan_batch`: the work of a query is the tokens it forwards beyond its
+   cached prefix), and a query too large for one forward is pieces
+   (:meth:`.plan.budget.ForwardBudget.piece_paths`).
+2. **execute**: each level's paths are held, grouped into forwards that fit
+   (:func:`.plan.batch.group_paths`) and run by one forward of the one contract
+   (:class:`.forward.base.ForwardOut`): the decode step (:mod:`.decode.step`) when the group is
+   a uniform step it can run, else the tree forward (or the dense one for models without the
+   attention interface).
+3. **commit**: each forward's new KV slots go into the tree (:mod:`.cache.kvtree`: a leaf that
+   ends where the path's cached prefix does grows in place), the contexts' ends are noted for
+   the next step, and after the batch the new nodes are compacted and the tree evicted to its
+   budget.
 
 LoRA adapters (:mod:`.lora`): a query's ``adapter`` selects its tree root and the adapter the
 model runs with; a batch is computed one adapter at a time (one or more forwards each).

@@ -177,11 +177,6 @@ class EngineLoop:
         return RuntimeError(f"the vLLM engine failed on this request: "
                             f"{type(cause).__name__}: {cause}")
 
-    def check_alive(self) -> None:
-        """``RuntimeError`` at once if the engine process is known to be dead."""
-        if self.engine is not None and self.engine.errored:
-            raise self.error(RuntimeError("engine dead"))
-
     async def _cancel_all(self, reason, tag: Hashable = None, tagged: bool = False) -> int:
         callers = 0
         for entry in list(self._inflight.values()):

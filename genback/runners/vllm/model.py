@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from .tap import OLD_TAP_FQCN, TAP_FQCN
+from .tap import TAP_FQCN
 from ...core.lm import AsyncLM
 from ...query import Query
 
@@ -134,7 +134,7 @@ class AsyncVirtualLM(AsyncLM):
             width = config.get_vocab_size()
             registered = config.logits_processors or ()
             runner = VLLMRunner(engine, width, use_tap=any(
-                p in (TAP_FQCN, OLD_TAP_FQCN) or getattr(p, "__name__", None) == "RowTap"
+                p == TAP_FQCN or getattr(p, "__name__", None) == "RowTap"
                 for p in registered))
             super().__init__(
                 tokenizer if tokenizer is not None else engine.engine.get_tokenizer(), runner,
@@ -207,12 +207,3 @@ def _generation_eos(model_config) -> list[int]:
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
-
-
-def __getattr__(name: str):
-    # ``genback.runners.vllm.model:RowTap`` (the registered name before the runner moved) still resolves
-    if name == "RowTap":
-        from .tap import row_tap_class
-
-        return row_tap_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,8 +25,6 @@ import torch
 
 TAP_FQCN = "genback.runners.vllm.tap:RowTap"
 TAP_KEY = "genback_row"  # SamplingParams.extra_args key: [shared file path, row slot, width]
-# the name the engine registered before the runner moved here (kept resolvable)
-OLD_TAP_FQCN = "genback.runners.vllm.model:RowTap"
 
 
 class RowSlots:

@@ -2,7 +2,7 @@
 
 An SMC step or a decoding step asks, for each of ``R`` rows, the next-token logits after a
 context whose KV is cached but for its last token. On a GPU the tree path
-(:func:`..forward.run.tree_forward`) is launch-bound there: ~40 kernels per layer from transformers'
+(:class:`..forward.tree.TreeForward`) is launch-bound there: ~40 kernels per layer from transformers'
 modules plus tree attention's, each costing the host ~5-9 us, while the device idles. This
 module runs such a step over **static buffers** (token ids, positions, new slots, a slot table,
 attention biases), so the whole model forward can be captured once per bucket as a CUDA graph

@@ -8,7 +8,7 @@ cascade attention; SGLang). So a batch of rows that share a prompt attends to th
 one product with all their queries stacked, reading it once, and merges that with each row's own
 (private) past and new tokens.
 
-A forward's layout (built by :func:`.run.tree_forward`, one :class:`TreeBatch` per forward;
+A forward's layout (built by :class:`.tree.TreeForward`, one :class:`TreeBatch` per forward;
 all KV lives in the runner's :class:`~..cache.kv_pool.KVPool`):
 
 * ``R`` rows, each with ``m_r <= m`` new tokens (right-padded to ``m``), whose keys and values

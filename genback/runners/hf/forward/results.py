@@ -30,7 +30,7 @@ def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device
     model's device): the needed positions of the queries in order, ``n_outputs`` each.
 
     A :class:`~genback.query.NextToken` gets ``log_softmax`` of its position (float32 ``[V]`` on
-    ``row_device``, a view of a block of such rows, :func:`_log_softmax_rows`: the caller's copy
+    ``row_device``, a view of a block of such rows, :func:`genback.rows.log_softmax_rows`: the caller's copy
     is the only copy), a :class:`~genback.query.Step` the :class:`~genback.sampling.Choice` made
     on the device, a :class:`~genback.query.Score` its targets' log-probs (float32 CPU ``[n]``)
     and with ``greedy`` also whether each target is its position's argmax (bool CPU ``[n]``), a
