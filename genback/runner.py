@@ -6,7 +6,7 @@ tree), plans each batch against it (so the token and memory budgets live where t
 the scheduler of nano-vllm owns its block manager), runs the forwards and returns the results.
 It declares what it can do in a :class:`Capabilities` record, from which ``AsyncLM`` builds its
 parts: a runner that batches by itself (vLLM's engine) gets each query at once
-(:class:`genback.batcher.Immediate`), the others genback's :class:`genback.batcher.Batcher`.
+(:class:`genback.immediate.Immediate`), the others genback's :class:`genback.batcher.Batcher`.
 
 What ``AsyncLM`` (its front and parts) calls on a runner, by what the runner declares:
 
@@ -90,7 +90,7 @@ class Runner(Protocol):
 @runtime_checkable
 class EngineRunner(Runner, Protocol):
     """A runner whose engine batches and schedules (``batching="engine"``): the front's
-    :class:`~genback.batcher.Immediate` sends it each query at once."""
+    :class:`~genback.immediate.Immediate` sends it each query at once."""
 
     async def answer_shared(self, query: Query):
         """The result of one query, from any event loop, sharing a request with identical

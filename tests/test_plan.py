@@ -17,7 +17,8 @@ from genback.llm import AsyncTransformer
 from genback.core.inputs import ContextChecker
 from genback.query import NextToken, Prefill, Score
 from genback.runners.hf.cache.kv_pool import KVPool
-from genback.runners.hf.cache.kvtree import KVTree, common_prefix_length
+from genback.runners.hf.cache.kvtree import KVTree
+from genback.runners.hf.cache.nodes import common_prefix_length
 from genback.runners.hf.plan.batch import Path, group_paths, plan_batch, plan_step
 from genback.runners.hf.plan.budget import ForwardBudget
 from genback.query import Step

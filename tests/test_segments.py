@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from genback.runners.hf.cache.kv_pool import KVPool
 from genback.runners.hf.cache.kvtree import KVTree
 from genback.runners.hf.plan.batch import Path
-from genback.runners.hf.cache.walks import prefix_segments
+from genback.runners.hf.cache.nodes import prefix_segments
 from genback.runners.hf.plan.segments import SegmentTable, split_segments
 
 

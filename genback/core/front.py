@@ -6,7 +6,7 @@ output cache of next-token rows (:class:`~genback.core.output_cache.OutputCache`
 (:class:`~genback.core.adapters.Adapters`, when the runner declares them); the counters; the
 forward lock, which serialises the runner's use; and the scheduler, built from what the runner
 declares (:class:`~genback.runner.Capabilities`): genback's :class:`~genback.batcher.Batcher`, or
-:class:`~genback.batcher.Immediate` for a runner whose engine batches by itself.
+:class:`~genback.immediate.Immediate` for a runner whose engine batches by itself.
 
 Four ways in, and the path each takes:
 
@@ -31,7 +31,8 @@ import threading
 
 import torch
 
-from ..batcher import Batcher, BatcherClosed, Immediate
+from ..batcher import Batcher, BatcherClosed
+from ..immediate import Immediate
 from ..context import Context
 from .output_cache import OutputCache
 from ..query import NextToken, Query, Score
@@ -190,19 +191,25 @@ class Front:
         return self._submit(query, query)
 
     def ask_sync(self, queries: list[Query]) -> list:
-        """Results of distinct checked queries, computed on the calling thread in one batch.
+        """Results of checked queries, computed on the calling thread in one batch (a query
+        asked twice is computed once; shared, as :meth:`ask`'s: callers copy what they hand
+        out).
 
         Raises:
             Exception: the first query's error, if any failed.
         """
         self.check_open()
-        for q in queries:
+        distinct = list(dict.fromkeys(queries))
+        for q in distinct:
             self.count(len(q.context))
-        results = self._compute(queries)
+        results = self._compute(distinct)
         for value in results:
             if isinstance(value, BaseException):
                 raise value
-        return results
+        if len(distinct) == len(queries):
+            return results
+        by_query = dict(zip(distinct, results))
+        return [by_query[q] for q in queries]
 
     def pin(self, tokens: tuple[int, ...], adapter: int | None) -> None:
         """Compute and keep the KV of checked ``tokens`` under ``adapter`` (``runner.pin``).
@@ -289,6 +296,41 @@ class Front:
         if isinstance(self.scheduler, Batcher):
             return row
         return own(row)
+
+    @property
+    def batch_size(self) -> int | None:
+        """Most distinct queries per batch of genback's batcher (settable: from the next batch);
+        None on a backend whose engine sizes its own batches (vLLM).
+
+        Raises:
+            ValueError: set to a non-positive int, or on a backend without genback's batcher.
+        """
+        return self.scheduler.max_batch_size if isinstance(self.scheduler, Batcher) else None
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self._batcher("batch_size").max_batch_size = check_positive_int(value, "batch_size")
+
+    @property
+    def batch_window(self) -> float | None:
+        """Seconds a batch of genback's batcher waits for more queries, from its first query
+        (settable); None on a backend whose engine sizes its own batches (vLLM).
+
+        Raises:
+            ValueError: set to a negative or non-finite number, or on a backend without
+                genback's batcher.
+        """
+        return self.scheduler.window if isinstance(self.scheduler, Batcher) else None
+
+    @batch_window.setter
+    def batch_window(self, value: float) -> None:
+        self._batcher("batch_window").window = Batcher.check_window(value)
+
+    def _batcher(self, name: str) -> Batcher:
+        if not isinstance(self.scheduler, Batcher):
+            raise ValueError(f"{name} is a setting of genback's batcher; this backend's engine "
+                             f"sizes its own batches")
+        return self.scheduler
 
     def info(self) -> dict:
         """``cache_info()``: the front's counters, then the runner's ``stats()``."""

@@ -96,41 +96,12 @@ class AsyncLM:
         """Most tokens a forward's inputs may have (the model's window); None: no limit."""
         return self.front.max_context_length
 
-    @property
-    def batch_size(self) -> int | None:
-        """Most distinct queries per batch of genback's batcher; setting it takes effect for the
-        next batch. None on a backend whose engine sizes its own batches (vLLM).
-
-        Raises:
-            ValueError: set to a non-positive int, or on a backend without genback's batcher.
-        """
-        return self.scheduler.max_batch_size if isinstance(self.scheduler, Batcher) else None
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self._batcher("batch_size").max_batch_size = check_positive_int(value, "batch_size")
-
-    @property
-    def batch_window(self) -> float | None:
-        """Seconds a batch of genback's batcher waits for more queries, from its first query;
-        settable. None on a backend whose engine sizes its own batches (vLLM).
-
-        Raises:
-            ValueError: set to a negative or non-finite number, or on a backend without
-                genback's batcher.
-        """
-        return self.scheduler.window if isinstance(self.scheduler, Batcher) else None
-
-    @batch_window.setter
-    def batch_window(self, value: float) -> None:
-        self._batcher("batch_window").window = Batcher.check_window(value)
-
-    def _batcher(self, name: str) -> Batcher:
-        if not isinstance(self.scheduler, Batcher):
-            raise ValueError(f"{name} is a setting of genback's batcher; {type(self).__name__}'s "
-                             f"engine sizes its own batches")
-        return self.scheduler
-
+    batch_size = property(lambda self: self.front.batch_size,
+                          lambda self, value: setattr(self.front, "batch_size", value),
+                          doc=":attr:`.front.Front.batch_size` (settable).")
+    batch_window = property(lambda self: self.front.batch_window,
+                            lambda self, value: setattr(self.front, "batch_window", value),
+                            doc=":attr:`.front.Front.batch_window` (settable).")
     timeout = property(batch_window.fget, batch_window.fset,
                        doc="genlm-backend's name of :attr:`batch_window`.")
 
@@ -236,7 +207,7 @@ class AsyncLM:
         It computes on the calling thread (no batching) and shares the caches.
         """
         front = self.front
-        return _rows_sync(front, [front.next_token(token_ids, front.adapter_key(lora_name))])[0]
+        return own(front.ask_sync([front.next_token(token_ids, front.adapter_key(lora_name))])[0])
 
     async def batch_next_token_logprobs(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Rows for several contexts at once: float32 ``[N, V]`` (N >= 1), row ``i`` that of
@@ -259,8 +230,8 @@ class AsyncLM:
         front = self.front
         contexts = check_list(token_ids_list, "token_ids_list")
         adapter = front.adapter_key(lora_name)
-        return _rows_sync(front, [front.next_token(ids, adapter, f"token_ids_list[{i}]")
-                                for i, ids in enumerate(contexts)])
+        return torch.stack(front.ask_sync([front.next_token(ids, adapter, f"token_ids_list[{i}]")
+                                           for i, ids in enumerate(contexts)]))
 
     async def token_logprobs(self, context_ids, continuation_ids, lora_name=None) -> torch.Tensor:
         """Log-prob of each continuation token given the context and the tokens before it.
@@ -422,16 +393,3 @@ class AsyncLM:
     def batch_evaluate_queries(self) -> None:
         """Dispatch the pending batch now: :meth:`.queue_api.QueueAPI.batch_evaluate_queries`."""
         self.queue.batch_evaluate_queries()
-
-
-def _rows_sync(front: Front, queries: list) -> torch.Tensor:
-    """Rows of next-token queries (:meth:`.front.Front.next_token`'s: checked, with the lineage
-    hint an SMC step's runner uses), computed on this thread in one batch: float32
-    ``[len(queries), V]`` (stacked: the caller's own copy).
-
-    Raises:
-        Exception: as :meth:`.front.Front.ask_sync`.
-    """
-    distinct = list(dict.fromkeys(queries))
-    rows = dict(zip(distinct, front.ask_sync(distinct)))
-    return torch.stack([rows[q] for q in queries])

@@ -39,20 +39,10 @@ from .forward.base import ForwardOut
 from .forward.dense import DenseForward
 from .forward.tree import TreeForward
 from .lora import LoraAdapters
-from .memory import available_memory_bytes, trim_host_memory
+from .memory import trim_host_memory
+from .options import attention_kind, check_device, check_options
 from .plan.batch import Output, Path, group_paths, plan_batch, plan_step, query_path
 from .plan.budget import ForwardBudget
-
-
-def _check_device(device) -> torch.device:
-    """``device`` as a ``torch.device``, or ``ValueError`` naming ``row_device``."""
-    if isinstance(device, torch.device):
-        return device
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"row_device must be a torch device or its name ('cpu', 'cuda:0'), "
-                         f"got {device!r}") from exc
 
 
 class HFRunner:
@@ -90,39 +80,22 @@ class HFRunner:
                  decode: str = "auto"):
         self.model = model
         self.device = next(model.parameters()).device
-        self.row_device = self.device if row_device is None else _check_device(row_device)
-        free = available_memory_bytes(self.device)
-        if kv_budget_bytes is None:
-            kv_budget_bytes = max(64 << 20, free // 2)
-        if max_forward_bytes is None:
-            max_forward_bytes = max(256 << 20, min(2 << 30, free // 4))
-        for name, value in (("max_batch_tokens", max_batch_tokens),
-                            ("max_forward_bytes", max_forward_bytes),
-                            ("min_shared_tokens", min_shared_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if attention not in ("auto", "tree", "dense"):
-            raise ValueError(f"attention must be 'auto', 'tree' or 'dense', got {attention!r}")
-        if decode not in ("auto", "graphs", "eager", "off"):
-            raise ValueError(f"decode must be 'auto', 'graphs', 'eager' or 'off', got {decode!r}")
+        self.row_device = self.device if row_device is None else check_device(row_device)
+        kv_budget_bytes, max_forward_bytes = check_options(
+            self.device, kv_budget_bytes, max_batch_tokens, max_forward_bytes,
+            min_shared_tokens, attention, decode)
         self.lora = LoraAdapters(model)
         self.pad_id = pad_id
         self.max_batch_tokens = max_batch_tokens
         self.max_forward_bytes = max_forward_bytes
         self.min_shared_tokens = min_shared_tokens
-        self.layout = self._probe_layout()
-        self.pool = KVPool(self.layout)  # every cached token's KV, in slots
+        self.pool = KVPool(self._probe_kv_shape())  # every cached token's KV, in slots
         self.tree = KVTree(kv_budget_bytes, self.pool)
         self.kv_token_bytes = self.pool.token_bytes
         self.budget = ForwardBudget(
             max_forward_bytes, 4 * getattr(model.config, "num_attention_heads", self.pool.heads),
             4 * int(getattr(model.config, "vocab_size", 0) or 0))
-        reason = tree_attention.support(model)
-        if attention == "tree" and reason:
-            raise ValueError(f"attention='tree' is not available for this model: {reason}")
-        self.use_tree = attention != "dense" and reason is None
-        self.attention = ("tree" if self.use_tree else
-                          f"dense ({'attention=dense' if attention == 'dense' else reason})")
+        self.use_tree, self.attention = attention_kind(model, attention)
         if self.use_tree:
             tree_attention.register()
             self.forward = TreeForward(model, self.pool, pad_id=pad_id,
@@ -132,9 +105,7 @@ class HFRunner:
             self.forward = DenseForward(model, self.pool, pad_id=pad_id,
                                         row_device=self.row_device)
         self.decode = self._decode_step(decode)
-        self.forwards = 0
-        self.tokens_forwarded = 0  # real (unpadded) tokens
-        self.padded_tokens_forwarded = 0
+        self.forwards = self.tokens_forwarded = self.padded_tokens_forwarded = 0  # (real tokens)
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
         self._freed_since_trim = 0
         self._inserted: list = []  # nodes inserted by the running call, compacted at its end
@@ -155,8 +126,9 @@ class HFRunner:
             return None
         return DecodeStep(self.model, self.pool, graphs=graphs, row_device=self.row_device)
 
-    def _probe_layout(self) -> tuple:
-        """``(layers, kv_heads, head_dim, dtype, device)`` from a one-token forward."""
+    def _probe_kv_shape(self) -> tuple:
+        """``(layers, kv_heads, head_dim, dtype, device)`` of the model's KV, from a one-token
+        forward."""
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device),
                              use_cache=True)

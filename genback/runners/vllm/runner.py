@@ -2,7 +2,7 @@
 
 vLLM's scheduler does what genback's batcher does for the other backends (continuous batching,
 chunked prefill, prefix caching), so the runner declares ``batching="engine"`` and ``AsyncLM``'s
-front sends each distinct query at once (:class:`genback.batcher.Immediate` ->
+front sends each distinct query at once (:class:`genback.immediate.Immediate` ->
 :meth:`VLLMRunner.answer_shared`); identical queries in flight share one request and the output
 cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answer`):
 
@@ -52,7 +52,7 @@ class VLLMRunner:
         use_tap: whether the engine was built with ``RowTap``.
     """
 
-    # vLLM's scheduler batches: AsyncLM sends each query at once (batcher.Immediate)
+    # vLLM's scheduler batches: AsyncLM sends each query at once (genback.immediate.Immediate)
     capabilities = Capabilities(
         cache_kind="vLLM prefix cache", batching="engine", adapters=True, streams=True,
         batching_kind="continuous (vLLM scheduler, one request per query)")

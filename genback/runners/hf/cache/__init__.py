@@ -1,3 +1,3 @@
 """The HF runner's KV cache: a pool of token slots (:mod:`.kv_pool`), the radix tree of cached
-prefixes over it (:mod:`.kvtree`, with the walks up from a node in :mod:`.walks`), the notes of
+prefixes over it (:mod:`.kvtree`, its nodes and the walks along them in :mod:`.nodes`), the notes of
 where each answered context's KV ends (:mod:`.ends`), and the tree's picture (:mod:`.picture`)."""

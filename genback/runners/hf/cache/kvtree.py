@@ -36,21 +36,8 @@ import numpy as np
 from ....context import Context, flat
 from ....cpython import untrack_ids
 from .ends import Ends
-from .walks import prefix_segments
-
-
-class _Node:
-    __slots__ = ("parent", "edge", "slots", "children", "refs", "pinned", "depth", "bytes")
-
-    def __init__(self, parent, edge: tuple, slots, depth: int, token_bytes: int = 0):
-        self.parent = parent
-        self.edge = edge
-        self.slots = slots  # int64 [len(edge)] pool slots; None for a root and once removed
-        self.children: dict[int, _Node] = {}
-        self.refs = 0
-        self.pinned = False
-        self.depth = depth  # tokens from the root to the end of this node's edge
-        self.bytes = 0 if slots is None else len(slots) * token_bytes
+from .nodes import Node as _Node
+from .nodes import common_prefix_length, descend, prefix_segments
 
 
 class KVTree:
@@ -124,35 +111,14 @@ class KVTree:
         """
         tokens = flat(tokens)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
-        node = None
-        if parent is not None and len(parent) <= limit:
-            node = self.ends.get(parent, adapter)
-        want, segments = segments, []
-        if node is not None:
-            pos = node.depth
-            if want:
-                segments = prefix_segments(node, node.depth)
+        node = None if parent is None or len(parent) > limit else self.ends.get(parent, adapter)
+        if node is None:
+            node, pos = descend(self.root_of(adapter), 0, tokens, limit)
         else:
-            node, pos = self._roots.get(adapter), 0
-            if node is None:  # nothing cached under this adapter: an empty stand-in root
-                node = _Node(None, (), None, 0)
-        while pos < limit:
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            edge = child.edge
-            n = min(len(edge), limit - pos)
-            k = common_prefix_length(edge[:n], tokens[pos:pos + n])
-            if k == 0:
-                break
-            if want:
-                segments.append((child, k, child.slots if k == len(edge) else child.slots[:k]))
-            node, pos = child, pos + k
-            if k < len(edge):
-                break
+            node, pos = descend(node, node.depth, tokens, limit)
         if touch:
             self._touch(node)
-        return (segments if want else None), pos, node
+        return (prefix_segments(node, pos) if segments else None), pos, node
 
     def acquire(self, node: _Node) -> None:
         """Protect ``node`` (and so its ancestors) from eviction until ``release``."""
@@ -430,20 +396,3 @@ class KVTree:
 
 
 _depth = operator.attrgetter("depth")
-
-
-def common_prefix_length(a, b, start: int = 0) -> int:
-    """Length of the common prefix of sequences ``a`` and ``b``, given that it is at least
-    ``start``: slice comparisons in C, halving the unresolved range (about ``2 * len`` element
-    comparisons in all, no per-token Python loop)."""
-    n = min(len(a), len(b))
-    if a[start:n] == b[start:n]:
-        return n
-    lo, hi = start, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -27,8 +27,8 @@ import operator
 from typing import Callable
 
 from ....query import Query
-from ..cache.kvtree import common_prefix_length
-from ..cache.walks import prefix_segments
+from ..cache.nodes import common_prefix_length
+from ..cache.nodes import prefix_segments
 
 
 class Output:

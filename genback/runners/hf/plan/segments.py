@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cache.walks import holder_end
+from ..cache.nodes import holder_end
 
 
 class PrivatePasts:
