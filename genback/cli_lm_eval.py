@@ -175,7 +175,14 @@ def cmd_lm_eval(args: list[str]) -> int:
     if _wants_help(args):
         sys.stdout.write(HELP_HEADER)
         sys.stdout.flush()
-    args = with_model(args)
+    return _run_cli(cli_evaluate, with_model(args), debug, offline)
+
+
+def _run_cli(cli_evaluate, args: list[str], debug: bool, offline: str | None) -> int:
+    """Run lm-eval's CLI on ``args`` (as ``sys.argv``, restored after); returns 0 on success, the
+    status of an argparse or ``--help`` exit as it is, 130 on Ctrl-C, and after one line on
+    standard error (unless ``debug``, which raises) 2 for a bad argument or input, 1 for another
+    error."""
     saved = sys.argv
     sys.argv = ["lm_eval", *args]
     try:

@@ -83,6 +83,20 @@ def generation_config(request: GenerationRequest, default_seed: int | None = Non
         ValueError / TypeError: ``num_beams != 1``, ``metadata`` not a dict, or an option of
             the wrong type or out of range (the message names it and the value).
     """
+    meta, temperature = _checked_request(request)
+    greedy = not (request.do_sample and temperature > 0)
+    opts = {key: meta[key] for key in _PARAM_KEYS if meta.get(key) is not None}
+    try:
+        params = SamplingParams(greedy=greedy, temperature=1.0 if greedy else float(temperature),
+                                seed=meta.get("seed", default_seed), **opts)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"metadata: {exc}") from None
+    return GenerationConfig(params, _min_new_tokens(meta), _stop_token_ids(meta))
+
+
+def _checked_request(request: GenerationRequest) -> tuple[dict, numbers.Real]:
+    """``(metadata, temperature)`` of a request whose ``num_beams``, ``metadata``, ``temperature``
+    and ``do_sample`` are checked (``metadata`` None is ``{}``)."""
     if request.num_beams != 1:
         raise ValueError(f"num_beams must be 1 (genback decodes a single beam), got "
                          f"{request.num_beams!r}")
@@ -95,27 +109,26 @@ def generation_config(request: GenerationRequest, default_seed: int | None = Non
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     if not isinstance(request.do_sample, bool):
         raise TypeError(f"do_sample must be a bool, got {request.do_sample!r}")
-    greedy = not (request.do_sample and temperature > 0)
-    opts = {}
-    for key in _PARAM_KEYS:
-        if meta.get(key) is not None:
-            opts[key] = meta[key]
-    seed = meta.get("seed", default_seed)
-    try:
-        params = SamplingParams(greedy=greedy, temperature=1.0 if greedy else float(temperature),
-                                seed=seed, **opts)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"metadata: {exc}") from None
+    return meta, temperature
+
+
+def _min_new_tokens(meta: dict) -> int:
+    """``metadata['min_new_tokens']`` checked (an int >= 0; missing or None is 0)."""
     min_new = meta.get("min_new_tokens", 0) or 0
     if isinstance(min_new, bool) or not isinstance(min_new, numbers.Integral) or min_new < 0:
         raise ValueError(f"metadata['min_new_tokens'] must be an int >= 0, got {min_new!r}")
+    return int(min_new)
+
+
+def _stop_token_ids(meta: dict) -> tuple[int, ...]:
+    """``metadata['stop_token_ids']`` checked (a list or tuple of int ids >= 0; missing is ())."""
     stop_ids = meta.get("stop_token_ids") or ()
     if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (list, tuple)) or not all(
             isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
             for t in stop_ids):
         raise TypeError(f"metadata['stop_token_ids'] must be a list of int token ids, got "
                         f"{stop_ids!r}")
-    return GenerationConfig(params, int(min_new), tuple(int(t) for t in stop_ids))
+    return tuple(int(t) for t in stop_ids)
 
 
 def prepare_prompt(tokenizer, request: GenerationRequest) -> tuple[str, list[int]]:
@@ -176,19 +189,10 @@ def _earliest_stop(text: str, stops: list[str], start: int = 0) -> tuple[int, st
     return best, found
 
 
-async def decode(
-    lm,
-    prompt_text: str,
-    prompt_ids: list[int],
-    config: GenerationConfig,
-    *,
-    max_new_tokens: int,
-    stop: list[str],
-    eos_ids: set[int],
-    max_length: int | None = None,
-    on_event: Callable[[StreamEvent], None] | None = None,
-    metadata: dict | None = None,
-) -> GenerationOutput:
+async def decode(lm, prompt_text: str, prompt_ids: list[int], config: GenerationConfig, *,
+                 max_new_tokens: int, stop: list[str], eos_ids: set[int], max_length: int | None = None,
+                 on_event: Callable[[StreamEvent], None] | None = None, metadata: dict | None = None,
+                 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     The tokens come from ``lm.generate_stream`` (one ``choose_next`` step per token on
@@ -197,9 +201,9 @@ async def decode(
     ``"stop"``; neither can end it before ``config.min_new_tokens``: they are banned until then),
     when the text contains a stop string (checked on the new text of each step; the text is cut
     at the earliest one; ``"stop"``; the stream is closed then, so the backend stops
-    generating), or after ``max_new_tokens`` tokens or at the model's
-    ``max_length`` (``"length"``). ``on_event`` receives the :class:`StreamEvent` of every step,
-    the last carrying the output.
+    generating), or after ``max_new_tokens`` tokens or at the model's ``max_length``
+    (``"length"``). ``on_event`` receives the :class:`StreamEvent` of every step, the last
+    carrying the output.
 
     Returns:
         ``GenerationOutput(prompt=prompt_text, text, metadata)`` with metadata ``finish_reason``,
@@ -208,62 +212,106 @@ async def decode(
         asked for, ``logprobs`` (one float per generated token) / ``top_logprobs`` (one list of
         ``[token id, log-prob]`` pairs per generated token); plus the request's ``metadata``.
     """
-    tokenizer = lm.tokenizer
-    params = config.params
-    stops = [s for s in stop if s]
-    hold = max((len(s) for s in stops), default=1) - 1
     limit = max_new_tokens
     if max_length:
         limit = max(0, min(limit, max_length - len(prompt_ids)))
-    generated: list[int] = []
-    logprobs: list[float] = []
-    tops: list[list[list]] = []
-    text, emitted, pending_ids = "", 0, []
-    finish, matched = "length", None
-    stream = lm.generate_stream(prompt_ids, params, limit, sorted(eos_ids),
+    run = _Run(lm.tokenizer, config, eos_ids, [s for s in stop if s])
+    stream = lm.generate_stream(prompt_ids, config.params, limit, sorted(eos_ids),
                                 min_new_tokens=config.min_new_tokens,
                                 stop_token_ids=config.stop_token_ids)
     try:
         async for choice in stream:
-            token = choice.token
-            if token in eos_ids or token in config.stop_token_ids:
-                finish = "eos" if token in eos_ids else "stop"
-                if finish == "stop":
-                    matched = token
+            if not run.step(choice, on_event):
                 break
-            generated.append(token)
-            pending_ids.append(token)
-            if params.logprobs:
-                logprobs.append(choice.logprob)
-            if params.top_logprobs:
-                tops.append([[t, lp] for t, lp in choice.top_logprobs])
-            before = len(text)
-            text = tokenizer.decode(generated)
-            # only the new text can complete a stop string (back up for one that straddles,
-            # and for a partial UTF-8 character the new token completed)
-            cut, found = _earliest_stop(text, stops, max(0, before - hold - 2))
-            if cut >= 0:
-                matched, text, finish = found, text[:cut], "stop"
-                break
-            if on_event is not None:
-                safe = len(text) - hold
-                while safe > emitted and text[safe - 1] == "\ufffd":
-                    safe -= 1
-                if safe > emitted:
-                    on_event(StreamEvent(text[emitted:safe], pending_ids))
-                    emitted, pending_ids = safe, []
     finally:
         await stream.aclose()  # a stop string ended it early: the backend stops generating
-    meta = dict(metadata or {})
-    meta.update(finish_reason=finish, prompt_tokens=len(prompt_ids),
-                completion_tokens=len(generated), token_ids=list(generated))
-    if matched is not None:
-        meta["stop"] = matched
-    if params.logprobs:
-        meta["logprobs"] = logprobs
-    if params.top_logprobs:
-        meta["top_logprobs"] = tops
-    output = GenerationOutput(prompt=prompt_text, text=text, metadata=meta)
-    if on_event is not None:
-        on_event(StreamEvent(text[emitted:], pending_ids, output))
-    return output
+    return run.output(prompt_text, prompt_ids, metadata, on_event)
+
+
+@dataclass
+class _Run:
+    """One generation in progress (``decode``'s state): the tokens and log-probs so far, the
+    text, how much of it the events have carried, and what ended it."""
+
+    tokenizer: object
+    config: GenerationConfig
+    eos_ids: set[int]
+    stops: list[str]  # the non-empty stop strings
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[list[list]] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of text the events have carried
+    pending_ids: list[int] = field(default_factory=list)  # tokens no event has carried yet
+    finish: str = "length"
+    matched: object = None  # the stop string or stop id that ended the generation
+    hold: int = field(init=False)  # characters held back: a stop string could start there
+
+    def __post_init__(self):
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def step(self, choice, on_event) -> bool:
+        """Take one chosen token; False when it ends the generation (an EOS or stop id, not
+        kept; a stop string in the text, which is cut there). Sends the text settled by this
+        step to ``on_event``."""
+        if self._ends_at(choice.token):
+            return False
+        self.generated.append(choice.token)
+        self.pending_ids.append(choice.token)
+        if self.config.params.logprobs:
+            self.logprobs.append(choice.logprob)
+        if self.config.params.top_logprobs:
+            self.tops.append([[t, lp] for t, lp in choice.top_logprobs])
+        if self._cut_at_stop_string():
+            return False
+        if on_event is not None:
+            self._emit_settled(on_event)
+        return True
+
+    def _ends_at(self, token: int) -> bool:
+        """Whether ``token`` is an EOS (``"eos"``) or stop id (``"stop"``), recording which."""
+        if token in self.eos_ids or token in self.config.stop_token_ids:
+            self.finish = "eos" if token in self.eos_ids else "stop"
+            if self.finish == "stop":
+                self.matched = token
+            return True
+        return False
+
+    def _cut_at_stop_string(self) -> bool:
+        """Decode the text; when a stop string appeared, cut the text at the earliest one and
+        return True. Only the new text can complete one (back up for one that straddles, and for
+        a partial UTF-8 character the new token completed)."""
+        before = len(self.text)
+        self.text = self.tokenizer.decode(self.generated)
+        cut, found = _earliest_stop(self.text, self.stops, max(0, before - self.hold - 2))
+        if cut >= 0:
+            self.matched, self.text, self.finish = found, self.text[:cut], "stop"
+        return cut >= 0
+
+    def _emit_settled(self, on_event) -> None:
+        """Send the text no event has carried and no stop string or UTF-8 character can still
+        change (the last ``hold`` characters and a trailing U+FFFD wait), if any."""
+        safe = len(self.text) - self.hold
+        while safe > self.emitted and self.text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe > self.emitted:
+            on_event(StreamEvent(self.text[self.emitted : safe], self.pending_ids))
+            self.emitted, self.pending_ids = safe, []
+
+    def output(self, prompt_text: str, prompt_ids: list[int], metadata: dict | None,
+               on_event) -> GenerationOutput:
+        """The finished output (``decode``'s Returns), also sent to ``on_event`` with the held
+        text."""
+        meta = dict(metadata or {})
+        meta.update(finish_reason=self.finish, prompt_tokens=len(prompt_ids),
+                    completion_tokens=len(self.generated), token_ids=list(self.generated))
+        if self.matched is not None:
+            meta["stop"] = self.matched
+        if self.config.params.logprobs:
+            meta["logprobs"] = self.logprobs
+        if self.config.params.top_logprobs:
+            meta["top_logprobs"] = self.tops
+        output = GenerationOutput(prompt=prompt_text, text=self.text, metadata=meta)
+        if on_event is not None:
+            on_event(StreamEvent(self.text[self.emitted :], self.pending_ids, output))
+        return output

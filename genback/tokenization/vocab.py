@@ -259,22 +259,9 @@ def get_byte_vocab(tokenizer, vocab_size: int | None = None) -> list[bytes]:
             tokenizer's decoder, or ``vocab_size`` smaller than the tokenizer's vocabulary.
         TypeError: ``vocab_size`` is not an int.
     """
-    spec = _tokenizer_json(tokenizer)
-    family = _detect_family(tokenizer, spec)
+    family = _detect_family(tokenizer, _tokenizer_json(tokenizer))
     ordinary, added = _id_to_string(tokenizer)
-    n_tok = max([*ordinary, *added], default=-1) + 1
-    if vocab_size is None:
-        n = n_tok
-    else:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-            raise TypeError(f"decode_vocab: vocab_size must be an int, got {vocab_size!r}")
-        if vocab_size < n_tok:
-            raise ValueError(
-                f"decode_vocab: vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({n_tok} ids); refusing to truncate"
-            )
-        n = vocab_size
-
+    n = _vocab_length(max([*ordinary, *added], default=-1) + 1, vocab_size)
     vocab: list[bytes | None] = [None] * n
     if family == "byte_level":
         table = _unicode_to_byte()
@@ -287,6 +274,21 @@ def get_byte_vocab(tokenizer, vocab_size: int | None = None) -> list[bytes]:
         vocab[i] = s.encode("utf-8")
     _check_against_decoder(tokenizer, vocab, added)
     return [PAD_TEMPLATE % i if b is None else b for i, b in enumerate(vocab)]
+
+
+def _vocab_length(n_tok: int, vocab_size: int | None) -> int:
+    """The byte vocabulary's length: ``vocab_size`` checked against the tokenizer's ``n_tok``
+    ids, or ``n_tok`` when None."""
+    if vocab_size is None:
+        return n_tok
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"decode_vocab: vocab_size must be an int, got {vocab_size!r}")
+    if vocab_size < n_tok:
+        raise ValueError(
+            f"decode_vocab: vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({n_tok} ids); refusing to truncate"
+        )
+    return vocab_size
 
 
 def decode_vocab(tokenizer, byte2str_fallback: str = "tokenizer", vocab_size: int | None = None):
@@ -318,19 +320,28 @@ def decode_vocab(tokenizer, byte2str_fallback: str = "tokenizer", vocab_size: in
         name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
         raise ByteVocabError(f"Could not decode byte representation of tokenizer {name!r}: "
                              f"{exc}") from exc
-    byte_vocab = [Token(i, b) for i, b in enumerate(raw)]
+    return [Token(i, b) for i, b in enumerate(raw)], _str_vocab(tokenizer, raw, byte2str_fallback)
+
+
+def _str_vocab(tokenizer, raw: list[bytes], byte2str_fallback: str) -> list[str]:
+    """``decode_vocab``'s ``str_vocab``: each token's bytes as UTF-8 text, or its fallback."""
     str_vocab = []
     for i, b in enumerate(raw):
         try:
             s = b.decode("utf-8")
         except UnicodeDecodeError:
-            if byte2str_fallback == "latin1":
-                s = b.decode("latin-1")
-            elif byte2str_fallback == "replace":
-                s = b.decode("utf-8", errors="replace")
-            else:
-                s = tokenizer.convert_ids_to_tokens(i)
-                if not isinstance(s, str):
-                    s = b.decode("utf-8", errors="replace")
+            s = _fallback_str(tokenizer, i, b, byte2str_fallback)
         str_vocab.append(s)
-    return byte_vocab, str_vocab
+    return str_vocab
+
+
+def _fallback_str(tokenizer, token_id: int, b: bytes, byte2str_fallback: str) -> str:
+    """``str_vocab``'s entry for token bytes ``b`` that are not valid UTF-8 (see
+    ``decode_vocab``'s ``byte2str_fallback``; a tokenizer without a string for the id gives
+    UTF-8 with U+FFFD)."""
+    if byte2str_fallback == "latin1":
+        return b.decode("latin-1")
+    if byte2str_fallback == "replace":
+        return b.decode("utf-8", errors="replace")
+    s = tokenizer.convert_ids_to_tokens(token_id)
+    return s if isinstance(s, str) else b.decode("utf-8", errors="replace")

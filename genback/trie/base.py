@@ -43,6 +43,15 @@ __all__ = ["TokenCharacterTrie"]
 _token_id = operator.attrgetter("token_id")
 
 
+def _check_token_ids(ids: list) -> None:
+    """Raise ``ValueError`` naming the first repeated ``Token`` id in ``ids``."""
+    if len(ids) != len(set(ids)):
+        seen: set = set()
+        dup = next(i for i in ids if i in seen or seen.add(i))
+        raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
+                         f"Token id {dup} in decode")
+
+
 class TokenCharacterTrie:
     """Trie of a vocabulary's byte strings with vectorised per-node reductions.
 
@@ -88,24 +97,16 @@ class TokenCharacterTrie:
 
     # ----------------------------------------------------------------- structure
     def _check_duplicates(self) -> None:
+        """Raise ``ValueError`` when two items have the same ``word2leaf`` key (a repeated
+        ``Token`` id, equal plain bytes, or a repeated other item); warn (``DeprecationWarning``)
+        when plain bytes are given."""
         if set(map(type, self.decode)) == {Token}:  # fast path: only ids can repeat
-            ids = list(map(_token_id, self.decode))
-            if len(ids) != len(set(ids)):
-                seen: set = set()
-                dup = next(i for i in ids if i in seen or seen.add(i))
-                raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
-                                 f"Token id {dup} in decode")
+            _check_token_ids(list(map(_token_id, self.decode)))
             return
         tokens = [x for x in self.decode if isinstance(x, Token)]
-        ids = [x.token_id for x in tokens]
-        if len(ids) != len(set(ids)):
-            seen: set = set()
-            dup = next(i for i in ids if i in seen or seen.add(i))
-            raise ValueError(f"TokenCharacterTrie: Duplicate word in vocabulary: duplicate "
-                                 f"Token id {dup} in decode")
+        _check_token_ids([x.token_id for x in tokens])
         if len(tokens) == len(self.decode):
             return
-        lay = self._layout
         plain = [Token.is_plain_bytes(x) for x in self.decode]
         if any(plain):
             warnings.warn(
@@ -113,8 +114,17 @@ class TokenCharacterTrie:
                 "wording): use Token objects from decode_vocab(), which keep equal byte strings "
                 "apart",
                 DeprecationWarning, stacklevel=4)
+        self._check_plain_bytes(plain)
+        other = [x for x in self.decode if not isinstance(x, bytes)]
+        if len(other) != len(set(other)):
+            raise ValueError("TokenCharacterTrie: Duplicate word in vocabulary: a repeated "
+                             "non-bytes item in decode")
+
+    def _check_plain_bytes(self, plain: list) -> None:
+        """Raise ``ValueError`` naming two equal plain-bytes items (``plain[i]``: ``decode[i]``
+        is plain bytes); equal byte strings are adjacent in leaf order."""
         prev = None
-        for k in lay.order.tolist():  # equal byte strings are adjacent in leaf order
+        for k in self._layout.order.tolist():
             if plain[k]:
                 if prev is not None and self.decode[prev] == self.decode[k]:
                     raise ValueError(
@@ -123,10 +133,6 @@ class TokenCharacterTrie:
                         "objects to keep duplicates"
                     )
                 prev = k
-        other = [x for x in self.decode if not isinstance(x, bytes)]
-        if len(other) != len(set(other)):
-            raise ValueError("TokenCharacterTrie: Duplicate word in vocabulary: a repeated "
-                             "non-bytes item in decode")
 
     def _word_key(self, item):
         return (bytes(item), item.token_id) if isinstance(item, Token) else item
@@ -300,41 +306,54 @@ class TokenCharacterTrie:
             import graphviz
         except ImportError as e:  # pragma: no cover
             raise ImportError("TokenCharacterTrie.visualize needs `pip install graphviz`") from e
+        ws = self._visualize_weights(ws, max_nodes)
+        top = self.lookup(prefix)
+        if top is None:
+            raise ValueError(f"visualize: prefix {prefix!r} is not a prefix of any token")
+        last = self._shown_end(top, max_nodes)
+        peak = max((ws[n] for n in range(top, last)), default=0.0) if ws is not None else 0.0
+        dot = graphviz.Digraph(comment="token character trie")
+        dot.attr(rankdir="LR")
+        for n in range(top, last):
+            self._draw_node(dot, n, top, ws, peak)
+        if last < self.num_nodes and self._is_below(last, top):
+            dot.node("more", f"... {self.num_nodes} nodes in all", shape="plaintext")
+        return dot
+
+    def _visualize_weights(self, ws, max_nodes: int):
+        """``visualize``'s checked ``ws``: None, or a float64 ``(num_nodes,)`` numpy array."""
         if max_nodes < 1:
             raise ValueError(f"visualize: max_nodes must be >= 1, got {max_nodes}")
         if ws is not None:
             ws = np.asarray(ws.detach().cpu() if hasattr(ws, "detach") else ws, dtype=np.float64)
             if ws.shape != (self.num_nodes,):
                 raise ValueError(f"visualize: ws must have shape ({self.num_nodes},), got {ws.shape}")
-        top = self.lookup(prefix)
-        if top is None:
-            raise ValueError(f"visualize: prefix {prefix!r} is not a prefix of any token")
-        lay = self._layout
-        # nodes of the subtree are a contiguous pre-order id range ending before the next node
-        # whose depth is <= depth(top) (a leaf's depth is its word length, so compare via parents)
+        return ws
+
+    def _shown_end(self, top: int, max_nodes: int) -> int:
+        """One past the last node ``visualize`` draws: the subtree below ``top`` is a contiguous
+        pre-order id range, cut at ``max_nodes`` nodes."""
         last = top + 1
-        while last < lay.num_nodes and last - top < max_nodes and self._is_below(last, top):
+        while last < self.num_nodes and last - top < max_nodes and self._is_below(last, top):
             last += 1
-        shown = range(top, last)
-        peak = max((ws[n] for n in shown), default=0.0) if ws is not None else 0.0
-        dot = graphviz.Digraph(comment="token character trie")
-        dot.attr(rankdir="LR")
-        for n in shown:
-            label = f"{n}\n{bytes(self._prefix_bytes(n))!r}" if lay.width == 1 else f"{n}"
-            attrs = {"shape": "doublecircle" if lay.is_leaf[n] else "circle"}
-            if ws is not None:
-                label += f"\n{ws[n]:.4g}"
-                if peak > 0 and np.isfinite(ws[n]) and ws[n] > 0:
-                    g = int(255 * (1 - min(ws[n] / peak, 1.0)))
-                    attrs.update(style="filled", fillcolor=f"#{g:02x}ff{g:02x}")
-            dot.node(str(n), label, **attrs)
-            if n != top:
-                item = lay.item_of_node[n]
-                edge = f"end ({item})" if item >= 0 else repr(lay.decode_letter(int(lay.letter[n])))
-                dot.edge(str(lay.parent[n]), str(n), label=edge)
-        if last < lay.num_nodes and self._is_below(last, top):
-            dot.node("more", f"... {lay.num_nodes} nodes in all", shape="plaintext")
-        return dot
+        return last
+
+    def _draw_node(self, dot, n: int, top: int, ws, peak: float) -> None:
+        """Add node ``n`` to ``dot`` (its id, prefix and value, shaded green relative to
+        ``peak``) and, below ``top``, the edge from its parent (its letter, or the leaf's item)."""
+        lay = self._layout
+        label = f"{n}\n{bytes(self._prefix_bytes(n))!r}" if lay.width == 1 else f"{n}"
+        attrs = {"shape": "doublecircle" if lay.is_leaf[n] else "circle"}
+        if ws is not None:
+            label += f"\n{ws[n]:.4g}"
+            if peak > 0 and np.isfinite(ws[n]) and ws[n] > 0:
+                g = int(255 * (1 - min(ws[n] / peak, 1.0)))
+                attrs.update(style="filled", fillcolor=f"#{g:02x}ff{g:02x}")
+        dot.node(str(n), label, **attrs)
+        if n != top:
+            item = lay.item_of_node[n]
+            edge = f"end ({item})" if item >= 0 else repr(lay.decode_letter(int(lay.letter[n])))
+            dot.edge(str(lay.parent[n]), str(n), label=edge)
 
     def _is_below(self, n: int, top: int) -> bool:
         lay = self._layout

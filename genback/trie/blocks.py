@@ -66,28 +66,56 @@ class BlockPlan:
 def make_block_plan(lay: TrieLayout) -> BlockPlan:
     """Block plan of a layout (vectorised; ~log2 V numpy passes over the segments)."""
     V = lay.num_items
+    offs = _tree_offsets(V)
+    levels = [(offs[j - 1], offs[j + 1] - offs[j], offs[j]) for j in range(1, len(offs) - 1)]
+    multi, seg_of_multi, l, r = _segments(lay.start, lay.end)
+    S = len(l)
+    blocks = _decompose(l, r, offs)
+    rank, terms, rows = _row_major(blocks, S)
+    node_src = lay.start.copy()
+    node_src[multi] = offs[-1] + rank[seg_of_multi]
+    return BlockPlan(V, lay.order, levels, offs[-1], S, terms, rows, node_src)
+
+
+def _tree_offsets(V: int) -> list:
+    """Start of every tree level in the tree's columns, then its total size: level 0 holds ``V``
+    columns, level ``j`` half of level ``j - 1`` (rounded down), down to the first level of
+    fewer than 2."""
     sizes = [V]
     while sizes[-1] >= 2:
         sizes.append(sizes[-1] // 2)
-    offs = np.cumsum([0] + sizes).tolist()
-    tree_size = offs[-1]
-    levels = [(offs[j - 1], sizes[j], offs[j]) for j in range(1, len(sizes))]
+    return np.cumsum([0] + sizes).tolist()
 
-    start, end = lay.start, lay.end
+
+def _segments(start: np.ndarray, end: np.ndarray):
+    """The slices of two or more words: ``(multi, seg_of_multi, l, r)``: ``multi`` the nodes
+    with such a slice, ``seg_of_multi`` their segment, ``l``, ``r`` (S,) each segment's bounds
+    (int64; nodes sharing a slice are consecutive in pre-order: a single-child chain)."""
     multi = np.flatnonzero(end - start >= 2)
     ms, me = start[multi], end[multi]
-    # nodes sharing a slice are consecutive in pre-order (a single-child chain)
     new = np.ones(len(multi), bool)
     new[1:] = (ms[1:] != ms[:-1]) | (me[1:] != me[:-1])
-    seg_of_multi = np.cumsum(new) - 1
-    l, r = ms[new].copy(), me[new].copy()
-    S = len(l)
+    return multi, np.cumsum(new) - 1, ms[new].copy(), me[new].copy()
 
-    # canonical decomposition of every [l, r), one level at a time
+
+@dataclass
+class _Blocks:
+    """The canonical blocks of ``S`` segments, ``T`` blocks in all (int64 arrays)."""
+
+    seg: np.ndarray  # (T,) segment of each block
+    within: np.ndarray  # (T,) index of the block among its segment's blocks
+    idx: np.ndarray  # (T,) tree column of the block
+    count: np.ndarray  # (S,) blocks per segment
+
+
+def _decompose(l: np.ndarray, r: np.ndarray, offs: list) -> _Blocks:
+    """The canonical decomposition of every segment ``[l, r)`` into aligned tree blocks, one
+    tree level at a time (``l`` and ``r`` are overwritten)."""
+    S = len(l)
     seg_parts, within_parts, idx_parts = [], [], []
     count = np.zeros(S, np.int64)
     active = np.arange(S)
-    for j in range(len(sizes)):
+    for j in range(len(offs) - 1):
         if not len(active):
             break
         la, ra = l[active], r[active]
@@ -103,25 +131,27 @@ def make_block_plan(lay: TrieLayout) -> BlockPlan:
         count[sel] += 1
         l[active], r[active] = la >> 1, ra >> 1
         active = active[l[active] < r[active]]
-    if S:
-        seg = np.concatenate(seg_parts)
-        within = np.concatenate(within_parts)
-        idx = np.concatenate(idx_parts)
-        rank = np.empty(S, np.int64)
-        rank[np.argsort(-count, kind="stable")] = np.arange(S)
-        hist = np.bincount(count)
-        rowlen = S - np.cumsum(hist)[:-1]  # rowlen[k] = segments with more than k blocks
-        rowoff = np.concatenate([[0], np.cumsum(rowlen)])
-        terms = np.empty(len(idx), np.int64)
-        terms[rowoff[within] + rank[seg]] = idx
-        rows = [(int(n), int(o) - S) for n, o in zip(rowlen[1:], rowoff[1:-1])]
-    else:
-        rank = np.zeros(0, np.int64)
-        terms = np.zeros(0, np.int64)
-        rows = []
-    node_src = start.copy()
-    node_src[multi] = tree_size + rank[seg_of_multi]
-    return BlockPlan(V, lay.order, levels, tree_size, S, terms, rows, node_src)
+    if not S:
+        return _Blocks(*(np.zeros(0, np.int64),) * 3, count)
+    return _Blocks(np.concatenate(seg_parts), np.concatenate(within_parts), np.concatenate(idx_parts), count)
+
+
+def _row_major(blocks: _Blocks, S: int) -> tuple[np.ndarray, np.ndarray, list]:
+    """``(rank, terms, rows)`` of ``BlockPlan``: ``rank`` (S,) each segment's position when sorted
+    by block count (descending), ``terms`` the block columns row-major (row ``k`` = the ``k``-th
+    block of the segments with more than ``k``), ``rows`` the length and offset of rows 1, 2, ..."""
+    if not S:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    count = blocks.count
+    rank = np.empty(S, np.int64)
+    rank[np.argsort(-count, kind="stable")] = np.arange(S)
+    hist = np.bincount(count)
+    rowlen = S - np.cumsum(hist)[:-1]  # rowlen[k] = segments with more than k blocks
+    rowoff = np.concatenate([[0], np.cumsum(rowlen)])
+    terms = np.empty(len(blocks.idx), np.int64)
+    terms[rowoff[blocks.within] + rank[blocks.seg]] = blocks.idx
+    rows = [(int(n), int(o) - S) for n, o in zip(rowlen[1:], rowoff[1:-1])]
+    return rank, terms, rows
 
 
 def run_block_plan(plan: BlockPlan, W: np.ndarray, op: str, out: np.ndarray | None = None) -> np.ndarray:

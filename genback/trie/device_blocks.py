@@ -105,41 +105,63 @@ def make_device_blocks(plan: BlockPlan, node_start: np.ndarray, device: torch.de
             terms are ~2 MB of float64 traffic at 64 batch rows, about one small kernel's
             launch on a GPU.
     """
-    S, T0, V = plan.num_segments, plan.tree_size, plan.num_items
+    T0 = plan.tree_size
     multi = plan.node_src >= T0  # nodes whose slice is a segment
-    seg_start = np.zeros(S, np.int64)
+    seg_start = np.zeros(plan.num_segments, np.int64)
     seg_start[plan.node_src[multi] - T0] = node_start[multi]
-    count = np.ones(S, np.int64)
+    col, terms, groups = _segment_columns(plan, seg_start, kernel_cost)
+    node_src = plan.node_src.copy()
+    node_src[multi] = col[node_src[multi] - T0]
+    num_columns = groups[-1][3] + groups[-1][1] if groups else T0 + 1  # the last group's end, or pad + 1
+    return DeviceBlocks(plan.num_items, num_columns, T0, _index(plan.order, device), tuple(plan.levels),
+                        _index(terms, device), tuple(groups), _index(node_src, device))
+
+
+def _block_counts(plan: BlockPlan) -> np.ndarray:
+    """(S,) int64 blocks of each segment (by rank): one, plus one per row of ``plan.rows`` it reaches."""
+    count = np.ones(plan.num_segments, np.int64)
     for n, _ in plan.rows:
         count[:n] += 1
-    pad = T0
-    col = np.empty(S, np.int64)  # E column of each segment (by rank)
-    col[count == 1] = plan.terms[:S][count == 1]  # one block: its tree column
+    return count
+
+
+def _segment_columns(plan: BlockPlan, seg_start: np.ndarray, kernel_cost: float):
+    """The E columns of the segments (module docstring, step 2): ``(col, terms, groups)``, ``col``
+    (S,) int64 each segment's column (a one-block segment: its block's tree column; the others
+    numbered from ``pad + 1`` group by group, by ``seg_start`` within a group), ``terms`` (T,)
+    int64 and ``groups`` as in ``DeviceBlocks``."""
+    S, pad = plan.num_segments, plan.tree_size
+    count = _block_counts(plan)
+    col = np.empty(S, np.int64)
+    col[count == 1] = plan.terms[:S][count == 1]
     terms, groups = [], []
     x_lo, e_lo = 0, pad + 1
-    hist = np.bincount(count, minlength=2)
-    for k_lo, K in _group_counts(hist, kernel_cost):
+    for k_lo, K in _group_counts(np.bincount(count, minlength=2), kernel_cost):
         ranks = np.flatnonzero((count >= k_lo) & (count <= K))
         ranks = ranks[np.argsort(seg_start[ranks], kind="stable")]
         n = len(ranks)
-        M = np.full((n, K), pad, np.int64)
-        M[:, 0] = plan.terms[ranks]
-        for j, (_, off) in enumerate(plan.rows[: K - 1], start=1):  # block j of each segment
-            has = count[ranks] > j
-            M[has, j] = plan.terms[S + off + ranks[has]]
-        terms.append(M.reshape(-1))
+        terms.append(_group_terms(plan, count, ranks, K))
         col[ranks] = e_lo + np.arange(n)
         groups.append((x_lo, n, K, e_lo))
         x_lo, e_lo = x_lo + n * K, e_lo + n
-    node_src = plan.node_src.copy()
-    node_src[multi] = col[node_src[multi] - T0]
+    return col, np.concatenate(terms) if terms else np.zeros(0, np.int64), groups
 
-    def t(a):
-        return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
 
-    return DeviceBlocks(V, e_lo, pad, t(plan.order), tuple(plan.levels),
-                        t(np.concatenate(terms) if terms else np.zeros(0, np.int64)), tuple(groups),
-                        t(node_src))
+def _group_terms(plan: BlockPlan, count: np.ndarray, ranks: np.ndarray, K: int) -> np.ndarray:
+    """(n * K,) int64 block columns of the ``n`` segments ``ranks``, segment-major, each padded
+    with the identity column (``pad = tree_size``) to ``K`` blocks."""
+    S = plan.num_segments
+    M = np.full((len(ranks), K), plan.tree_size, np.int64)
+    M[:, 0] = plan.terms[ranks]
+    for j, (_, off) in enumerate(plan.rows[: K - 1], start=1):  # block j of each segment
+        has = count[ranks] > j
+        M[has, j] = plan.terms[S + off + ranks[has]]
+    return M.reshape(-1)
+
+
+def _index(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 index tensor on ``device`` (contiguous)."""
+    return torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64), device=device)
 
 
 def gather_columns(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:

@@ -48,6 +48,22 @@ def make_plan(lay: TrieLayout, direct_budget: float = 0.25) -> ReductionPlan:
     """Reduction plan of a layout. ``direct_budget``: the deepest levels are computed directly
     while their segments' total length stays below ``direct_budget * V``."""
     V = lay.num_items
+    seg_start, seg_end, node_segment = _segments(lay)
+    seg_parent = _segment_parents(lay.parent, node_segment, len(seg_start))
+    levels = _levels(seg_parent, _segment_depths(seg_parent), seg_start)
+    n_direct = _direct_levels(levels, seg_start, seg_end, direct_budget * V)
+    direct_ids = np.concatenate([lv[0] for lv in levels[:n_direct]] or [np.zeros(0, np.int64)])
+    direct_ids = direct_ids[np.argsort(seg_start[direct_ids] * (V + 1) + (V - seg_end[direct_ids]), kind="stable")]
+    bounds = np.stack([seg_start[direct_ids], seg_end[direct_ids]], axis=1).reshape(-1)
+    return ReductionPlan(V, len(seg_start), lay.order, node_segment, levels, levels[n_direct:], direct_ids,
+                         bounds, seg_start, seg_end)
+
+
+def _segments(lay: TrieLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct slices of a layout's nodes: ``(seg_start, seg_end, node_segment)``, int64
+    ``(U,)``, ``(U,)`` and ``(N,)``. Single-word segments come first (segment ``k`` = leaf-order
+    word ``k``), then the inner segments in pre-order."""
+    V = lay.num_items
     stride = V + 1
     # pre-order key of a segment: start ascending, end descending (containing segments first)
     key = lay.start * stride + (V - lay.end)
@@ -56,57 +72,71 @@ def make_plan(lay: TrieLayout, direct_budget: float = 0.25) -> ReductionPlan:
     s, rev = np.divmod(uniq, stride)
     e = V - rev
     single = (e - s) == 1
-    # renumber: single-word segments first (by start), then inner segments in pre-order
     new_id = np.empty(len(uniq), np.int64)
     new_id[np.flatnonzero(single)] = s[single]
     new_id[np.flatnonzero(~single)] = V + np.arange(int((~single).sum()))
-    U = len(uniq)
-    seg_start = np.empty(U, np.int64)
-    seg_end = np.empty(U, np.int64)
+    seg_start = np.empty(len(uniq), np.int64)
+    seg_end = np.empty(len(uniq), np.int64)
     seg_start[new_id], seg_end[new_id] = s, e
-    node_segment = new_id[inv]
-    # parent segment: where a node's segment differs from its parent node's segment
-    child_nodes = np.flatnonzero(lay.parent >= 0)
+    return seg_start, seg_end, new_id[inv]
+
+
+def _segment_parents(parent: np.ndarray, node_segment: np.ndarray, U: int) -> np.ndarray:
+    """(U,) int64 parent segment of every segment, -1 for the root's: the segment of the parent
+    node of a node whose segment differs from its parent node's."""
+    child_nodes = np.flatnonzero(parent >= 0)
     cs = node_segment[child_nodes]
-    ps = node_segment[lay.parent[child_nodes]]
+    ps = node_segment[parent[child_nodes]]
     diff = cs != ps
     seg_parent = np.full(U, -1, np.int64)
     seg_parent[cs[diff]] = ps[diff]
-    # depth in the segment tree: one climb step per round (rounds = tree height)
-    depth = np.zeros(U, np.int64)
+    return seg_parent
+
+
+def _segment_depths(seg_parent: np.ndarray) -> np.ndarray:
+    """(U,) int64 depth of every segment in the segment tree: one climb step per round (rounds =
+    tree height)."""
+    depth = np.zeros(len(seg_parent), np.int64)
     anc = seg_parent.copy()
     active = np.flatnonzero(anc >= 0)
     while len(active):
         depth[active] += 1
         anc[active] = seg_parent[anc[active]]
         active = active[anc[active] >= 0]
+    return depth
+
+
+def _levels(seg_parent: np.ndarray, depth: np.ndarray, seg_start: np.ndarray) -> list:
+    """The levels of the segment tree, deepest first: per depth of the parents ``(parents (P,),
+    children (C,), offsets (P,), counts (P,))``, children grouped by parent and sorted by start."""
     levels = []
     kids = np.flatnonzero(seg_parent >= 0)
-    if len(kids):
-        # group children by parent, parents by depth (deepest first), children by start
-        parent_of = seg_parent[kids]
-        o = np.lexsort((seg_start[kids], parent_of, -depth[parent_of]))
-        kids, parent_of = kids[o], parent_of[o]
-        pdepth = depth[parent_of]
-        cuts = np.flatnonzero(np.diff(pdepth)) + 1
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(kids)]):
-            ch, pa = kids[lo:hi], parent_of[lo:hi]
-            first = np.r_[True, pa[1:] != pa[:-1]]
-            offsets = np.flatnonzero(first)
-            counts = np.diff(np.r_[offsets, len(pa)])
-            levels.append((pa[first], ch, offsets, counts))
+    if not len(kids):
+        return levels
+    parent_of = seg_parent[kids]
+    o = np.lexsort((seg_start[kids], parent_of, -depth[parent_of]))
+    kids, parent_of = kids[o], parent_of[o]
+    cuts = np.flatnonzero(np.diff(depth[parent_of])) + 1
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(kids)]):
+        ch, pa = kids[lo:hi], parent_of[lo:hi]
+        first = np.r_[True, pa[1:] != pa[:-1]]
+        offsets = np.flatnonzero(first)
+        counts = np.diff(np.r_[offsets, len(pa)])
+        levels.append((pa[first], ch, offsets, counts))
+    return levels
+
+
+def _direct_levels(levels: list, seg_start: np.ndarray, seg_end: np.ndarray, budget: float) -> int:
+    """How many of the deepest levels are computed directly: as many as keep their parents'
+    total length within ``budget`` (the root level always runs level-wise)."""
     n_direct, used = 0, 0
-    for parents, _, _, _ in levels[:-1]:  # the root level always runs level-wise
+    for parents, _, _, _ in levels[:-1]:
         cost = int((seg_end[parents] - seg_start[parents]).sum())
-        if used + cost > direct_budget * V:
+        if used + cost > budget:
             break
         used += cost
         n_direct += 1
-    direct_ids = np.concatenate([lv[0] for lv in levels[:n_direct]] or [np.zeros(0, np.int64)])
-    direct_ids = direct_ids[np.argsort(seg_start[direct_ids] * stride + (V - seg_end[direct_ids]), kind="stable")]
-    bounds = np.stack([seg_start[direct_ids], seg_end[direct_ids]], axis=1).reshape(-1)
-    return ReductionPlan(V, U, lay.order, node_segment, levels, levels[n_direct:], direct_ids, bounds,
-                         seg_start, seg_end)
+    return n_direct
 
 
 def run_plan(plan: ReductionPlan, W: np.ndarray, op: str, out: np.ndarray | None = None) -> np.ndarray:
