@@ -315,22 +315,11 @@ class HFRunner:
                 tree.acquire(p.holder)
                 held.append(p.holder)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
-            extend, insert, note = tree.extend, tree.insert, tree.ends.note
-            inserted = self._inserted.append
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
                 out = self._forward(group, uniform)
                 answered.extend(zip((o for p in group for o in p.outputs), out.values))
-                for p, slots in zip(group, out.new_slots):
-                    holder = p.holder  # a leaf ending at the cached prefix, held by p alone,
-                    if holder.depth == p.cached and extend(holder, p.tokens, slots):
-                        node = holder  # grows in place (touched with the held nodes)
-                    else:
-                        node = insert(p.tokens, p.cached, slots, p.adapter, near=holder,
-                                      touch=False)
-                        new.append(node)
-                    inserted(node)
-                    note(p.tokens, node, p.adapter)
+                self._commit(group, out.new_slots, new)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             # the LRU order of everything this level used or inserted, each node once (also
@@ -339,6 +328,23 @@ class HFRunner:
             for holder in held:
                 tree.release(holder)
         return answered
+
+    def _commit(self, group: list[Path], new_slots: list, new: list) -> None:
+        """Put each path's new KV (its ``new_slots``) into the tree at once, and note where its
+        context ends: a leaf that ends where the path's cached prefix does (held by the path
+        alone) grows in place; otherwise a node is inserted (appended to ``new``, to be
+        touched with the level's nodes)."""
+        tree = self.tree
+        for p, slots in zip(group, new_slots):
+            holder = p.holder
+            if holder.depth == p.cached and tree.extend(holder, p.tokens, slots):
+                node = holder  # (touched with the held nodes)
+            else:
+                node = tree.insert(p.tokens, p.cached, slots, p.adapter, near=holder,
+                                   touch=False)
+                new.append(node)
+            self._inserted.append(node)
+            tree.ends.note(p.tokens, node, p.adapter)
 
     def _evict(self) -> None:
         """Merge the nodes this call inserted with their single-child ancestors

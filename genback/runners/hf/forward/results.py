@@ -26,24 +26,14 @@ _SLICE = 128
 
 
 def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device) -> list:
-    """The result of each query (see :mod:`genback.query`) from ``logits`` ``[K, V]`` (on the
-    model's device): the needed positions of the queries in order, ``n_outputs`` each.
-
-    A :class:`~genback.query.NextToken` gets ``log_softmax`` of its position (float32 ``[V]`` on
-    ``row_device``, a view of a block of such rows, :func:`genback.rows.log_softmax_rows`: the caller's copy
-    is the only copy), a :class:`~genback.query.Step` the :class:`~genback.sampling.Choice` made
-    on the device, a :class:`~genback.query.Score` its targets' log-probs (float32 CPU ``[n]``)
-    and with ``greedy`` also whether each target is its position's argmax (bool CPU ``[n]``), a
-    :class:`~genback.query.Prefill` None. Only these leave the device: one transfer for all
-    score outputs, one for all next-token rows.
-    """
-    dev = logits.device
+    """The result of each query (see :mod:`genback.query` and this module's docstring) from
+    ``logits`` ``[K, V]`` (on the model's device): the needed positions of the queries in
+    order, ``n_outputs`` each."""
     if len(queries) == len(logits) and set(map(type, queries)) == {NextToken}:
         # every query a next-token row, one position each (an SMC or decoding step): all rows
         return log_softmax_rows(logits, row_device)
-    rows_at, steps_at, steps, tgt_at, targets = [], [], [], [], []
+    rows_at, steps_at, steps, scores_at, scores = [], [], [], [], []
     k = 0
-    greedy = False
     for q in queries:
         match q:
             case NextToken():
@@ -52,45 +42,56 @@ def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device
                 steps_at.append(k)
                 steps.append(q)
             case Score():
-                tgt_at.extend(range(k, k + len(q.targets)))
-                targets.extend(q.targets)
-                greedy = greedy or q.greedy
+                scores_at.extend(range(k, k + len(q.targets)))
+                scores.append(q)
         k += q.n_outputs
-    if rows_at:
-        rows = log_softmax_rows(logits.index_select(0, torch.tensor(rows_at, device=dev)),
-                                 row_device)
-    if tgt_at:
-        idx = torch.tensor(tgt_at, device=dev)
-        tgt = torch.tensor(targets, device=dev)
-        lps, flags = [], []
-        for s in range(0, len(tgt_at), _SLICE):
-            part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
-            want = tgt[s:s + _SLICE, None]
-            if greedy:  # argmax flags only when a scoring query asks (not rolling / token_logprobs)
-                flags.append(part.argmax(dim=-1) == want[:, 0])
-            # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
-            lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
-        lps = torch.cat(lps).cpu()
-        flags = torch.cat(flags).cpu() if greedy else None
+    dev = logits.device
+    rows = iter(log_softmax_rows(logits.index_select(0, torch.tensor(rows_at, device=dev)),
+                                 row_device) if rows_at else ())
     chosen = iter(choose_rows(logits.index_select(0, torch.tensor(steps_at, device=dev)),
                               [q.context for q in steps], [q.pick for q in steps])
                   if steps else ())
+    scored = iter(_scores(logits, scores_at, scores))
     out: list = []
-    a = b = 0
     for q in queries:
         match q:
             case NextToken():
-                out.append(rows[a])
-                a += 1
+                out.append(next(rows))
             case Step():
                 out.append(next(chosen))
             case Score():
-                n = len(q.targets)
-                lp = lps[b:b + n]
-                out.append((lp, flags[b:b + n]) if q.greedy else lp)
-                b += n
+                out.append(next(scored))
             case _:
                 out.append(None)
+    return out
+
+
+def _scores(logits: torch.Tensor, at: list[int], scores: list[Score]) -> list:
+    """Each :class:`~genback.query.Score`'s result from ``logits`` ``[K, V]`` at positions
+    ``at`` (all the scores' targets in order): float32 CPU log-probs ``[n]``, with ``greedy``
+    paired with bool CPU argmax flags ``[n]``. Taken in slices of :data:`_SLICE` positions; one
+    transfer to the CPU for all."""
+    if not scores:
+        return []
+    dev = logits.device
+    greedy = any(q.greedy for q in scores)
+    idx = torch.tensor(at, device=dev)
+    tgt = torch.tensor([t for q in scores for t in q.targets], device=dev)
+    lps, flags = [], []
+    for s in range(0, len(at), _SLICE):
+        part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
+        want = tgt[s:s + _SLICE, None]
+        if greedy:  # argmax flags only when a scoring query asks (not rolling / token_logprobs)
+            flags.append(part.argmax(dim=-1) == want[:, 0])
+        # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
+        lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
+    lps = torch.cat(lps).cpu()
+    flags = torch.cat(flags).cpu() if greedy else None
+    out, b = [], 0
+    for q in scores:
+        n = len(q.targets)
+        out.append((lps[b:b + n], flags[b:b + n]) if q.greedy else lps[b:b + n])
+        b += n
     return out
 
 
