@@ -188,7 +188,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
            "peak_bytes": peak, "attention": info.get("attention"),
            "forwards": info.get("forwards"), "tokens_forwarded": info.get("tokens_forwarded"),
            "decode": decode, **prof}
-    for k in ("decode_steps", "decode_replays", "decode_captures", "decode_capture_seconds",
+    for k in ("decode_steps", "decode_replays", "decode_captures", "decode_graphs_verified",
+              "decode_graphs_rejected", "decode_capture_seconds",
               "decode_graph_bytes", "decode_split_steps"):
         if k in info:
             out[k] = info[k]
@@ -326,6 +327,8 @@ def report(cell: dict) -> str:
             if "decode_steps" in c:
                 extra += (f", decode steps {c['decode_steps']} (replays {c['decode_replays']}, "
                           f"{c['decode_captures']} captures in {c['decode_capture_seconds']:.2f} s,"
+                          f" {c.get('decode_graphs_verified', 0)} verified,"
+                          f" {c.get('decode_graphs_rejected', 0)} rejected,"
                           f" {gib(c['decode_graph_bytes'])}; split {c['decode_split_steps']})")
             lines.append(extra)
     if "err_genback_vs_loop" in cell:

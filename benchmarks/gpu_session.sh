@@ -41,7 +41,7 @@ cells() {  # shape particles prompts: new code (graphs, tree path), then the old
 
 case "$part" in
   tests)
-    python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_decode_step.py tests/test_decode_chunks.py tests/test_cuda.py \
+    python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
       tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
   8b) cells llama-3.1-8b 16,256 1000,4000 ;;
   1b) cells llama-3.2-1b 16,256 1000,4000 ;;

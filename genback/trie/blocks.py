@@ -163,7 +163,7 @@ def run_block_plan(plan: BlockPlan, W: np.ndarray, op: str, out: np.ndarray | No
     beyond the output is O(nodes) per thread.
     """
     ufunc = np.add if op == "sum" else np.maximum
-    B, V = W.shape[0], plan.num_items
+    B = W.shape[0]
     if out is None:
         out = np.empty((B, len(plan.node_src)), np.float64)
     S = plan.num_segments

@@ -50,8 +50,6 @@ with the tree path and an uncached forward.
 from __future__ import annotations
 
 import sys
-import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +62,7 @@ from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache
 from ..plan.segments import split_segments
 from .cascade import DecodeBuffers, StepLayout, decode_attention
+from .graphs import StepGraphs
 from .lanes import REFRESH, Lanes
 
 NAME = "genback_decode"
@@ -126,7 +125,8 @@ class DecodeStep:
     Args:
         model: the causal LM (transformers, attention interface).
         pool: the runner's :class:`~..cache.kv_pool.KVPool`.
-        graphs: capture and replay CUDA graphs (False: run the same code eagerly).
+        graphs: capture and replay CUDA graphs, each checked at its first replay
+            (:class:`.graphs.StepGraphs`; False: run the same code eagerly).
         row_device: where next-token rows go.
         max_graphs: most graphs kept; further buckets run eagerly.
         max_graph_bytes: no more captures once the graphs' memory pool (counted as the device
@@ -139,11 +139,11 @@ class DecodeStep:
             attends its whole context in level 1 (the dense layout; a step wider than
             :data:`MAX_TABLE_SLOTS` then runs in chunks of rows, or takes the tree path). For measuring where the cascade
             pays (``bench_gpu.py --genback graphs-dense``).
-        steps (forwards run: a step split into chunks counts each), replays, captures,
-            capture_seconds, graph_bytes (device memory reserved by captures), lane_steps
-            (steps laid out from the last step's rows, :mod:`.lanes`), split_steps (steps run
-            in chunks of rows, :meth:`layouts`), failed (the capture error, once: later steps
-            run eagerly): statistics.
+        graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
+            and rejected buckets, graph memory).
+        steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
+            from the last step's rows, :mod:`.lanes`), split_steps (steps run in chunks of rows,
+            :meth:`layouts`): statistics.
     """
 
     def __init__(self, model, pool: KVPool, *, graphs: bool, row_device: torch.device,
@@ -151,23 +151,15 @@ class DecodeStep:
         self.model = model
         self.pool = pool
         self.row_device = row_device
-        self.graphs_on = graphs
-        self.max_graphs = max_graphs
-        if max_graph_bytes is None and graphs:
-            max_graph_bytes = torch.cuda.get_device_properties(pool.device).total_memory // 8
-        self.max_graph_bytes = max_graph_bytes
+        self.graphs = StepGraphs(pool.device, pool.dtype, enabled=graphs, max_graphs=max_graphs,
+                                 max_graph_bytes=max_graph_bytes)
         cfg = model.config
         heads = getattr(cfg, "num_attention_heads", pool.heads)
         self.groups = max(1, heads // pool.heads)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.buffers: dict[tuple, DecodeBuffers] = {}
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._mempool = None
         self._version = pool.version
-        self.steps = self.replays = self.captures = self.lane_steps = self.split_steps = 0
-        self.capture_seconds = 0.0
-        self.graph_bytes = 0
-        self.failed: str | None = None
+        self.steps = self.lane_steps = self.split_steps = 0
         self.min_prefix = 1
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
@@ -175,17 +167,13 @@ class DecodeStep:
         tree_attention.register(NAME, decode_attention)
 
     def stats(self) -> dict:
-        return {"decode_steps": self.steps, "decode_replays": self.replays,
-                "decode_graphs": len(self.graphs), "decode_captures": self.captures,
-                "decode_capture_seconds": round(self.capture_seconds, 4),
-                "decode_graph_bytes": self.graph_bytes, "decode_lane_steps": self.lane_steps,
-                "decode_split_steps": self.split_steps}
+        return {"decode_steps": self.steps, "decode_lane_steps": self.lane_steps,
+                "decode_split_steps": self.split_steps, **self.graphs.stats()}
 
     def clear(self) -> None:
         """Drop every graph and buffer (their memory goes back to the allocator)."""
         self.graphs.clear()
         self.buffers.clear()
-        self._mempool = None
         self._lanes = []
 
     def run(self, group) -> ForwardOut | None:
@@ -322,15 +310,7 @@ class DecodeStep:
             buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
         buf.fill(layout)
         self.steps += 1
-        graph = self.graphs.get(key)
-        if graph is None and self.graphs_on and self.failed is None \
-                and len(self.graphs) < self.max_graphs and self.graph_bytes < self.max_graph_bytes:
-            graph = self._capture(buf)
-        if graph is not None:
-            graph.replay()
-            self.replays += 1
-        else:
-            self._forward(buf)
+        self.graphs.run(buf, self._forward, R)
         return buf.logits[:R], self.pool.token_bytes * (P + R * (W - 1))
 
     def _forward(self, buf: DecodeBuffers) -> None:
@@ -341,42 +321,6 @@ class DecodeStep:
             out = model(input_ids=buf.ids, position_ids=buf.positions,
                         past_key_values=TreeCache(buf), use_cache=True, logits_to_keep=1)
             buf.logits.copy_(out.logits[:, -1])
-
-    def _capture(self, buf: DecodeBuffers):
-        """Capture ``buf``'s bucket (after one eager warm-up run on a side stream, which also
-        computes this step); None, with one warning, when capture fails."""
-        t0 = time.perf_counter()
-        dev = self.pool.device
-        stream = torch.cuda.Stream(dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        try:
-            with torch.cuda.stream(stream):
-                self._forward(buf)  # warm-up (lazy initialisations happen outside capture)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            # (torch.cuda.graph empties the allocator's cache on entry: empty it first, so the
-            # reserved memory it adds is the graph pool's own)
-            torch.cuda.synchronize(dev)
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_reserved(dev)
-            if self._mempool is None:
-                self._mempool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                self._forward(buf)
-        except Exception as exc:  # noqa: BLE001 (any capture failure falls back)
-            self.failed = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"genback: capturing the decode step as a CUDA graph failed; running "
-                          f"it without graphs ({self.failed})", RuntimeWarning, stacklevel=2)
-            try:
-                torch.cuda.synchronize(dev)
-            except RuntimeError:  # (a capture error may also surface here)
-                pass
-            return None
-        self.graphs[buf.key] = graph
-        self.captures += 1
-        self.capture_seconds += time.perf_counter() - t0
-        self.graph_bytes += torch.cuda.memory_reserved(self.pool.device) - before
-        return graph
 
 
 __all__ = ["Chunk", "DecodeStep", "bucket", "is_uniform"]

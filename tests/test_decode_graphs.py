@@ -1,0 +1,125 @@
+"""The decode step's graphs check themselves (genback.runners.hf.decode.graphs): each bucket's
+first replay is compared with the eager run of the same step. On the CPU the capture is replaced
+by a stand-in that runs the real warm-up and returns a "graph" whose replay recomputes the step
+and then corrupts its logits and the new tokens' KV (a miscompiled capture); on CUDA the real
+capture is checked (tests/test_decode_step.py runs graphs against eager and uncached rows)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from genback.llm import AsyncTransformer
+from genback.runners.hf.decode import graphs as graphs_module
+from genback.runners.hf.decode.graphs import StepGraphs
+
+from test_decode_step import _steps
+from test_llm_tree import _smc_trace
+
+
+class _Replay:
+    """A captured graph's stand-in: each replay runs the step (``forward(buf)``), then adds
+    ``noise`` to the real rows' logits and to the KV the step just wrote."""
+
+    def __init__(self, buf, forward, noise: float):
+        self.buf, self.forward, self.noise = buf, forward, noise
+
+    def replay(self):
+        self.forward(self.buf)
+        if self.noise:
+            self.buf.logits.add_(self.noise)
+            for layer in self.buf.pool.store:  # [2, kv_heads, slots, head_dim]
+                layer.index_add_(2, self.buf.new_slots,
+                                 torch.full_like(layer.index_select(2, self.buf.new_slots),
+                                                 self.noise))
+
+
+def _stand_in(noise: float):
+    def capture(self, buf, forward):
+        forward(buf)  # the warm-up: the eager run of this step
+        self.captures += 1
+        return _Replay(buf, forward, noise)
+    return capture
+
+
+def _run(tiny_hf, gpt2_tok, monkeypatch, noise):
+    monkeypatch.setattr(StepGraphs, "_capture", _stand_in(noise))
+    trace = _smc_trace(random.Random(3), 40, 6, 10, 3, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode="eager")
+    lm.runner.decode.graphs.enabled = True  # (captures on the CPU: the stand-in's)
+    lm.runner.decode.graphs.max_graph_bytes = 1 << 40
+    try:
+        lm.cache_kv(trace[0][0][:-1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rows = _steps(lm, trace)
+        worst = 0.0
+        for contexts, got in zip(trace, rows):
+            for j in (0, len(contexts) - 1):
+                ref = lm.next_token_logprobs_uncached(contexts[j]).float()
+                worst = max(worst, float((got[j] - ref).abs().max()))
+        return lm.cache_info(), [str(w.message) for w in caught], worst, len(trace)
+    finally:
+        lm.close()
+
+
+def test_a_replay_that_disagrees_rejects_its_bucket_and_the_step_stays_exact(
+        tiny_hf, gpt2_tok, monkeypatch):
+    """Every bucket's first replay disagrees: the bucket is rejected (counted, one warning
+    naming it), the step runs again eagerly (rows and KV written anew: every later row equals
+    an uncached forward), and the bucket is never captured again."""
+    info, messages, worst, steps = _run(tiny_hf, gpt2_tok, monkeypatch, noise=0.5)
+    assert worst <= 1e-5
+    buckets = info["decode_captures"]
+    assert buckets >= 1 and info["decode_graphs_rejected"] == buckets
+    assert info["decode_graphs_verified"] == 0 and info["decode_graphs"] == 0
+    assert info["decode_replays"] == buckets  # each bad graph replayed once, then never
+    assert info["decode_steps"] == steps
+    bad = [m for m in messages if "disagreed with its eager run" in m]
+    assert len(bad) == buckets and all("bucket (" in m for m in bad)
+
+
+def test_a_replay_that_agrees_is_kept_and_replayed(tiny_hf, gpt2_tok, monkeypatch):
+    """Honest replays: every bucket verified once and replayed at every later step of it."""
+    info, messages, worst, steps = _run(tiny_hf, gpt2_tok, monkeypatch, noise=0.0)
+    assert worst <= 1e-5
+    assert info["decode_graphs_verified"] == info["decode_captures"] == info["decode_graphs"] >= 1
+    assert info["decode_graphs_rejected"] == 0 and info["decode_replays"] == steps
+    assert not [m for m in messages if "disagreed" in m]
+
+
+def test_the_tolerance_follows_the_models_dtype():
+    assert graphs_module.TOLERANCE[torch.float32] == 1e-4
+    assert graphs_module.TOLERANCE[torch.bfloat16] > graphs_module.TOLERANCE[torch.float16] > 1e-4
+    off = StepGraphs(torch.device("cpu"), torch.bfloat16, enabled=False)
+    assert off.tolerance == graphs_module.TOLERANCE[torch.bfloat16]
+    assert not off._may_capture((1, 32, 0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_captures_are_verified_on_cuda(gpt2_tok):
+    """On CUDA the real capture's first replay agrees with its eager run (fp32, TF32 off):
+    every bucket verified, none rejected, and the graphs' memory is counted, never negative."""
+    from test_decode_step import _llama
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = _llama(len(gpt2_tok), "cuda", torch.float32)
+        trace = _smc_trace(random.Random(5), 300, 24, 8, 3, 400)
+        lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                              decode="graphs", row_device="cpu")
+        try:
+            lm.cache_kv(trace[0][0][:-1])
+            _steps(lm, trace)
+            info = lm.cache_info()
+            assert info["decode_graphs_verified"] == info["decode_captures"] >= 1
+            assert info["decode_graphs_rejected"] == 0 and info["decode_graph_bytes"] >= 0
+        finally:
+            lm.close()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
