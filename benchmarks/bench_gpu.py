@@ -156,7 +156,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window,
                           decode=decode.removesuffix("-dense"))
     if dense:
-        lm.runner.decode.min_prefix = sys.maxsize
+        lm.runner.decode_step.min_prefix = sys.maxsize
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)

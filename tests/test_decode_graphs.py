@@ -50,8 +50,8 @@ def _run(tiny_hf, gpt2_tok, monkeypatch, noise):
     trace = _smc_trace(random.Random(3), 40, 6, 10, 3, 50)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           decode="eager")
-    lm.runner.decode.graphs.enabled = True  # (captures on the CPU: the stand-in's)
-    lm.runner.decode.graphs.max_graph_bytes = 1 << 40
+    lm.runner.decode_step.graphs.enabled = True  # (captures on the CPU: the stand-in's)
+    lm.runner.decode_step.graphs.max_graph_bytes = 1 << 40
     try:
         lm.cache_kv(trace[0][0][:-1])
         with warnings.catch_warnings(record=True) as caught:

@@ -47,7 +47,7 @@ def test_the_worked_example_of_the_decode_step(tiny_hf, gpt2_tok, monkeypatch):
         assert lay.new_slots.tolist() == [9, 10, 11]
         assert lay.positions.tolist() == [5, 5, 6] and lay.ids.tolist() == [13, 13, 13]
         assert bucket(3, 3, 4) == (4, 32, 256)
-        buf = lm.runner.decode.buffers[(4, 32, 256)]
+        buf = lm.runner.decode_step.buffers[(4, 32, 256)]
         Rb, Wb, Pb = buf.key
         table = buf.table.view(Rb, Wb)
         assert table[:3, :3].tolist() == lay.table.tolist() and not table[:, 3:].any()

@@ -55,7 +55,7 @@ def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, 
         lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                               decode="eager" if decode == "dense" else decode)
         if decode == "dense":
-            lm.runner.decode.min_prefix = sys.maxsize
+            lm.runner.decode_step.min_prefix = sys.maxsize
         try:
             lm.cache_kv(trace[0][0][:-1])
             refs: dict = {}

@@ -104,7 +104,7 @@ class HFRunner:
         else:
             self.forward = DenseForward(model, self.pool, pad_id=pad_id,
                                         row_device=self.row_device)
-        self.decode = self._decode_step(decode)
+        self.decode_step = self._decode_step(decode)
         self.forwards = self.tokens_forwarded = self.padded_tokens_forwarded = 0  # (real tokens)
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
         self._freed_since_trim = 0
@@ -227,7 +227,7 @@ class HFRunner:
             "kv_pool_bytes": self.pool.nbytes,
             "kv_pool_slots_used": self.pool.in_use,
             "attention": self.attention,
-            **(self.decode.stats() if self.decode is not None else {}),
+            **(self.decode_step.stats() if self.decode_step is not None else {}),
         }
 
     def clear(self, keep_pinned: bool) -> None:
@@ -265,9 +265,9 @@ class HFRunner:
                 if segments else None)
         return CachedNode(node, self.pool), n, past
 
-    def picture(self, decode, max_nodes: int = 200, adapter=None):
+    def picture(self, token_text, max_nodes: int = 200, adapter=None):
         """The KV tree under ``adapter`` as a ``graphviz.Digraph`` (:func:`.cache.picture.draw`)."""
-        return draw(self.tree, decode, max_nodes, adapter)
+        return draw(self.tree, token_text, max_nodes, adapter)
 
     @torch.inference_mode()
     def uncached_row(self, tokens: tuple[int, ...], adapter=None) -> torch.Tensor:
@@ -279,8 +279,8 @@ class HFRunner:
 
     def close(self) -> None:
         self.tree.clear()
-        if self.decode is not None:
-            self.decode.clear()
+        if self.decode_step is not None:
+            self.decode_step.clear()
         trim_host_memory()
 
     # -- adapters --------------------------------------------------------------------------------
@@ -367,8 +367,8 @@ class HFRunner:
         (:meth:`.decode.step.DecodeStep.run`), anything else through the tree (or dense)
         forward."""
         out = None
-        if self.decode is not None and not self.lora.loaded and (uniform or is_uniform(group)):
-            out = self.decode.run(group)
+        if self.decode_step is not None and not self.lora.loaded and (uniform or is_uniform(group)):
+            out = self.decode_step.run(group)
         if out is None:
             out = self.forward.run(group)
         n_new = [r.n_new for r in group]

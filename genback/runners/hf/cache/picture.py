@@ -35,13 +35,13 @@ def live_counts(tree, adapter=None) -> dict:
     return counts
 
 
-def draw(tree, decode: Callable[[tuple], str], max_nodes: int = 200, adapter=None,
+def draw(tree, token_text: Callable[[list], str], max_nodes: int = 200, adapter=None,
          prompt_chars: int = 48, edge_chars: int = 24):
     """The KV tree under ``adapter`` as a ``graphviz.Digraph`` (left to right).
 
     Args:
         tree: a :class:`~.kvtree.KVTree`.
-        decode: token ids -> text (the tokenizer's ``decode``), for the edge labels.
+        token_text: token ids -> text (the tokenizer's ``decode``), for the edge labels.
         max_nodes: most nodes drawn, in depth-first order (children by first token); a note
             says how many more there are.
         prompt_chars / edge_chars: label lengths of the root's edges and of the others.
@@ -87,7 +87,7 @@ def draw(tree, decode: Callable[[tuple], str], max_nodes: int = 200, adapter=Non
             label += f" ({live[node]} end here)"
         dot.node(ids[node], label, peripheries="2" if node.pinned else "1")
         limit = prompt_chars if node.parent is root else edge_chars
-        dot.edge(ids[node.parent], ids[node], _short(decode(list(node.edge)), limit))
+        dot.edge(ids[node.parent], ids[node], _short(token_text(list(node.edge)), limit))
     if len(order) > len(shown):
         dot.node("more", f"+{len(order) - len(shown)} more nodes", shape="plaintext")
     dot.graph_attr["comment"] = (f"nodes={len(order) - 1} tokens={total_tokens} "
