@@ -1,4 +1,5 @@
-"""Bounded LRU cache of next-token log-prob rows, keyed by the whole context (a tuple of ids).
+"""Bounded LRU cache of next-token log-prob rows, keyed by the whole query (its whole context
+and its adapter: :class:`~genback.query.NextToken`, equal by value).
 
 Shared by every backend: a query whose context was already answered is served from here without
 joining a batch. Keys are whole contexts, never suffixes, so two different contexts never share a

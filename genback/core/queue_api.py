@@ -26,7 +26,8 @@ class QueueAPI:
 
     def add_query(self, query, future: asyncio.Future, past=None, lora_name=None) -> None:
         """Queue the next-token query ``query`` (token ids) and resolve ``future`` with its row
-        (float32 CPU ``[V]``) or its error. Call it on the thread of ``future``'s running loop.
+        (float32 ``[V]``, where :meth:`~genback.core.lm.AsyncLM.next_token_logprobs` puts it)
+        or its error. Call it on the thread of ``future``'s running loop.
 
         ``past`` (genlm-backend's precomputed KV) is ignored: the runner finds cached KV itself.
 

@@ -57,8 +57,8 @@ class HFRunner:
         max_forward_bytes: bound on a forward's working set, attention scores and logits (None:
             a quarter of the free memory, at most 2 GiB); larger queries are answered in pieces
             (:meth:`.plan.budget.ForwardBudget.pieces`), and one that cannot fit fails alone.
-        min_shared_tokens: a cached segment under ``n`` rows is read once for all of them when
-            ``(n - 1) * length`` reaches this (see :func:`.plan.segments.split_segments`).
+        min_shared_tokens: a cached segment under two or more rows is read once for all of them
+            when it is at least this many tokens long (:func:`.plan.segments.split_segments`).
         attention: ``"auto"`` (tree attention when the model supports it), ``"tree"`` or
             ``"dense"``.
         row_device: where next-token rows are returned (None: the model's device).

@@ -18,7 +18,8 @@ cache stays in front. What each query kind asks of vLLM (:meth:`VLLMRunner.answe
   and the row after the prompt (as for a next-token row) the last target. A score thus takes the
   positions of its inputs and one generated token, like a row, so one window
   (``max_model_len - 1`` inputs, vLLM's longest prompt) holds for every kind;
-* KV only (``targets == ()``): one greedy step, so the prompt's blocks enter the prefix cache.
+* KV only (a :class:`~genback.query.Prefill`): one greedy step, so the prompt's blocks enter the
+  prefix cache.
 
 Generations are the runner's too (``Capabilities.streams``): :meth:`VLLMRunner.stream` sends one
 request per generation, sampled by vLLM's sampler (:mod:`.stream`).
