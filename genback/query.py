@@ -56,7 +56,17 @@ class Query:
     """Base of the query kinds: ``tokens`` (tuple of ints) and ``adapter`` (None or an int key).
 
     Not constructed directly; see :class:`NextToken`, :class:`Score`, :class:`Prefill`,
-    :class:`Step`.
+    :class:`Step`. Every kind takes:
+
+    Args:
+        tokens: the context: a tuple of ints, or a validated
+            :class:`~genback.context.Context` (whose flat tuple is built only when read).
+        adapter: None (the base model) or a runner's adapter key.
+        tokens_hash: ``context_hash(tokens)`` when the caller has it (the front's check
+            computes it), else computed here.
+        parent: the lineage hint: a context known to equal ``tokens[:-1]``, the very object an
+            earlier query had as its context, so a runner may find that query's KV by identity
+            (not part of equality or the hash).
     """
 
     __slots__ = ("context", "adapter", "tokens_hash", "_hash", "parent")
@@ -67,8 +77,8 @@ class Query:
     """Whether it is answered by the logits of its context's last position alone (one output,
     at the end: a decode step's row)."""
 
-    def __init__(self, tokens: "tuple[int, ...] | Context", adapter: int | None = None,
-                 _tokens_hash: int | None = None, _parent: "tuple | Context | None" = None):
+    def __init__(self, tokens: "tuple[int, ...] | Context", adapter: int | None = None, *,
+                 tokens_hash: int | None = None, parent: "tuple | Context | None" = None):
         # the ids as given: a tuple, or a validated Context (the front's, for a next-token
         # query: its flat tuple is built only when asked for, see genback.context)
         self.context = tokens
@@ -76,9 +86,10 @@ class Query:
         # a context known to equal tokens[:-1] (checked when the context was validated), the
         # very object an earlier query had as its context: a runner may find that query's KV by
         # identity instead of comparing the context (not part of equality or the hash)
-        self.parent = _parent
-        # context_hash(tokens): a Step is built with its NextToken's, not hashed again
-        self.tokens_hash = context_hash(tokens) if _tokens_hash is None else _tokens_hash
+        self.parent = parent
+        # context_hash(tokens): given when known (the front's check computed it; a Step is
+        # built with its NextToken's), not hashed again
+        self.tokens_hash = context_hash(tokens) if tokens_hash is None else tokens_hash
         self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
 
     @property
@@ -192,10 +203,10 @@ class Step(Query):
 
     __slots__ = ("pick",)
 
-    def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None,
-                 _tokens_hash: int | None = None, _parent: "tuple | Context | None" = None):
+    def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None, *,
+                 tokens_hash: int | None = None, parent: "tuple | Context | None" = None):
         self.pick = pick
-        super().__init__(tokens, adapter, _tokens_hash, _parent)
+        super().__init__(tokens, adapter, tokens_hash=tokens_hash, parent=parent)
 
     def _extra(self) -> tuple:
         return (self.pick,)

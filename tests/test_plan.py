@@ -318,7 +318,7 @@ def _step_queries(tree: KVTree, n: int):
     prompt = tuple(range(100, 150))
     node = tree.insert(prompt, 0, np.arange(1, 51))
     tree.ends.note(prompt, node)
-    return prompt, node, [NextToken(prompt + (t,), _parent=prompt) for t in range(n)]
+    return prompt, node, [NextToken(prompt + (t,), parent=prompt) for t in range(n)]
 
 
 def _plain(level):
@@ -348,10 +348,10 @@ def test_plan_step_leaves_every_other_batch_to_plan_batch():
     assert plan_step(queries + [Prefill(prompt + (5,))], tree.ends, None, budget) is None
     # a parent that is an equal tuple but not the noted one (never trusted), another adapter
     copy = tuple(list(prompt))
-    assert plan_step([NextToken(copy + (1,), _parent=copy)], tree.ends, None, budget) is None
+    assert plan_step([NextToken(copy + (1,), parent=copy)], tree.ends, None, budget) is None
     assert plan_step(queries, tree.ends, 3, budget) is None
     # a row and a decoding step of one context: one path answers both (plan_batch's)
-    step = Step(prompt + (0,), Pick(SamplingParams(), 50, 0), _parent=prompt)
+    step = Step(prompt + (0,), Pick(SamplingParams(), 50, 0), parent=prompt)
     assert plan_step(queries + [step], tree.ends, None, budget) is None
     # the longest context's one-token forward does not fit: answered in pieces
     small = ForwardBudget(budget.working_set(1, 51, 1) - 1, 16, 4 * 1000)

@@ -62,8 +62,9 @@ class Decoding:
         row = front.lookup(query)  # a row already cached is used as it is
         if row is None:
             if front.capabilities.picks:
-                return await front.submit(Step(query.context, pick, adapter, query.tokens_hash,
-                                               query.parent))
+                return await front.submit(Step(query.context, pick, adapter,
+                                               tokens_hash=query.tokens_hash,
+                                               parent=query.parent))
             row = await front.submit(query)
         return choose(row, query.context, pick)
 

@@ -115,7 +115,7 @@ class Front:
             TypeError / ValueError: as :meth:`tokens`.
         """
         ctx, h, parent = self.checked(token_ids, name)
-        return NextToken(ctx, adapter, h, parent)
+        return NextToken(ctx, adapter, tokens_hash=h, parent=parent)
 
     def score(self, context_ids, continuation_ids, greedy: bool, adapter: int | None) -> Score:
         """The :class:`~genback.query.Score` of a continuation after a context. The window counts
