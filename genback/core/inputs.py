@@ -6,6 +6,7 @@ import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ def _array_ids(array, name: str) -> tuple[int, ...]:
     return tuple(array.tolist())
 
 
-def _raise_out_of_vocab(ids: tuple[int, ...], vocab_size: int, name: str) -> None:
+def _raise_out_of_vocab(ids: tuple[int, ...], vocab_size: int, name: str) -> NoReturn:
     """``ValueError`` naming the first id of ``ids`` outside ``[0, vocab_size)``."""
     i, t = next((i, t) for i, t in enumerate(ids) if t < 0 or t >= vocab_size)
     raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
