@@ -6,6 +6,7 @@ import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -28,29 +29,12 @@ def check_token_ids(
         TypeError: ``token_ids`` is not a sequence of integers (a str, floats, bools, a 2-D array).
         ValueError: it is empty (unless ``allow_empty``) or an id lies outside ``[0, vocab_size)``.
     """
-    if isinstance(token_ids, torch.Tensor) or isinstance(token_ids, np.ndarray):
-        dtype = token_ids.dtype
-        is_int = (
-            (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool)
-            if isinstance(token_ids, torch.Tensor)
-            else np.issubdtype(dtype, np.integer)
-        )
-        if not is_int:
-            raise TypeError(f"{name} must hold integer token ids, got an array of dtype {dtype}")
-        if token_ids.ndim != 1:
-            raise ValueError(
-                f"{name} must be 1-D (one context), got shape {tuple(token_ids.shape)}"
-            )
-        ids = tuple(token_ids.tolist())
-    elif isinstance(token_ids, (list, tuple)):
+    if isinstance(token_ids, (list, tuple)):
         ids = tuple(token_ids)
         if set(map(type, ids)) - {int}:  # (C-level: no per-id Python frame)
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise TypeError(
-                        f"{name}[{i}] must be an int token id, got {type(t).__name__}: {t!r}"
-                    )
-            ids = tuple(int(t) for t in ids)
+            ids = _exact_ints(ids, name)
+    elif isinstance(token_ids, (torch.Tensor, np.ndarray)):
+        ids = _array_ids(token_ids, name)
     else:
         raise TypeError(
             f"{name} must be a list of int token ids, got {type(token_ids).__name__}: "
@@ -60,11 +44,45 @@ def check_token_ids(
         if allow_empty:
             return ids
         raise ValueError(f"{name} must be non-empty, got {_short(token_ids)}")
-    lo, hi = min(ids), max(ids)  # (C-level)
-    if lo < 0 or hi >= vocab_size:
-        i, t = next((i, t) for i, t in enumerate(ids) if t < 0 or t >= vocab_size)
-        raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    if min(ids) < 0 or max(ids) >= vocab_size:  # (C-level)
+        _raise_out_of_vocab(ids, vocab_size, name)
     return ids
+
+
+def _exact_ints(ids: tuple, name: str) -> tuple[int, ...]:
+    """``ids`` (a tuple holding some non-``int`` items) as plain ints, or ``TypeError`` naming
+    the first item that is not an integer (bools included)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"{name}[{i}] must be an int token id, got {type(t).__name__}: {t!r}"
+            )
+    return tuple(int(t) for t in ids)
+
+
+def _array_ids(array, name: str) -> tuple[int, ...]:
+    """A 1-D integer NumPy array or torch tensor (any device) as a tuple of ints.
+
+    Raises:
+        TypeError: a float, complex or bool dtype. ValueError: not 1-D.
+    """
+    dtype = array.dtype
+    is_int = (
+        (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool)
+        if isinstance(array, torch.Tensor)
+        else np.issubdtype(dtype, np.integer)
+    )
+    if not is_int:
+        raise TypeError(f"{name} must hold integer token ids, got an array of dtype {dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D (one context), got shape {tuple(array.shape)}")
+    return tuple(array.tolist())
+
+
+def _raise_out_of_vocab(ids: tuple[int, ...], vocab_size: int, name: str) -> NoReturn:
+    """``ValueError`` naming the first id of ``ids`` outside ``[0, vocab_size)``."""
+    i, t = next((i, t) for i, t in enumerate(ids) if t < 0 or t >= vocab_size)
+    raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
 
 
 # contexts of at least this many tokens are compared with a validated context's base by identity
@@ -159,6 +177,11 @@ class ContextChecker:
                         return hit, h, parent
             except TypeError:  # an unhashable element: the full check names it
                 pass
+        return self._check_new(token_ids, name)
+
+    def _check_new(self, token_ids, name: str) -> tuple[Context, int, None]:
+        """The full check of a context not remembered (:func:`check_token_ids`): ``(context,
+        its hash, None)``; the context is remembered."""
         ids = check_token_ids(token_ids, self.vocab_size, name)
         h = context_hash(ids)
         ctx = Context(untrack_ids(ids))  # (exact ints only: no collection need walk it)

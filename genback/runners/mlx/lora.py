@@ -86,7 +86,18 @@ class MlxAdapters:
                 f"lora_path {path!r}: adapter layout (num_layers, keys) = {layout} differs from "
                 f"the layout {self.layout} of the adapters already loaded on this model (mlx-lm "
                 "adapters of one model must wrap the same modules)")
-        arrays = mx.load(weights_file)
+        by_module = self._by_module(mx.load(weights_file), path)
+        scale = float(params["scale"])
+        weights = {module: self._weights(module, pair, scale, path)
+                   for module, pair in by_module.items()}
+        key = next(self._keys)
+        self.adapters[key] = weights
+        return key
+
+    def _by_module(self, arrays: dict, path: str) -> dict[str, dict]:
+        """The adapter's arrays by wrapped module path: ``{module: {"lora_a": a, "lora_b": b}}``.
+        Raises ValueError for a weight that is not the ``lora_a`` / ``lora_b`` of a wrapped
+        module."""
         by_module: dict[str, dict] = {}
         for name, value in arrays.items():
             module, _, kind = name.rpartition(".")
@@ -95,22 +106,24 @@ class MlxAdapters:
                                  f"layout {self.layout} (wrapped modules: "
                                  f"{sorted(self.modules)[:4]}...)")
             by_module.setdefault(module, {})[kind] = value
-        scale = float(params["scale"])
-        weights = {}
-        for module, pair in by_module.items():
-            if set(pair) != {"lora_a", "lora_b"}:
-                raise ValueError(f"lora_path {path!r}: module {module!r} has {sorted(pair)} but "
-                                 "needs both lora_a and lora_b")
-            linear = self.modules[module].linear
-            dtype = linear.weight.dtype
-            if not mx.issubdtype(dtype, mx.floating):  # quantized base: its scales' dtype
-                dtype = getattr(linear, "scales", mx.zeros((), mx.float16)).dtype
-            a, b = pair["lora_a"].astype(dtype), pair["lora_b"].astype(dtype)
-            mx.eval(a, b)
-            weights[module] = _Weights(a, b, scale)
-        key = next(self._keys)
-        self.adapters[key] = weights
-        return key
+        return by_module
+
+    def _weights(self, module: str, pair: dict, scale: float, path: str) -> _Weights:
+        """One module's ``(a [in, r], b [r, out], scale)``, cast to the dtype of the wrapped
+        linear's weight (of its scales for a quantized base) and evaluated. Raises ValueError
+        unless ``pair`` holds both ``lora_a`` and ``lora_b``."""
+        import mlx.core as mx
+
+        if set(pair) != {"lora_a", "lora_b"}:
+            raise ValueError(f"lora_path {path!r}: module {module!r} has {sorted(pair)} but "
+                             "needs both lora_a and lora_b")
+        linear = self.modules[module].linear
+        dtype = linear.weight.dtype
+        if not mx.issubdtype(dtype, mx.floating):  # quantized base: its scales' dtype
+            dtype = getattr(linear, "scales", mx.zeros((), mx.float16)).dtype
+        a, b = pair["lora_a"].astype(dtype), pair["lora_b"].astype(dtype)
+        mx.eval(a, b)
+        return _Weights(a, b, scale)
 
     def remove(self, key: int) -> None:
         self.adapters.pop(key, None)

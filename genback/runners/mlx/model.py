@@ -38,6 +38,66 @@ def _config_overrides(config: dict) -> dict:
     return out
 
 
+def _runner(model, **options):
+    """An :class:`~genback.runners.mlx.runner.MlxRunner` over ``model``, whose parameters are
+    evaluated first: a model built lazily on this thread (e.g. fused adapters) is materialised
+    here, as MLX cannot evaluate this thread's pending graphs on the runner's thread."""
+    import mlx.core as mx
+
+    from .runner import MlxRunner
+
+    mx.eval(model.parameters())
+    return MlxRunner(model, **options)
+
+
+def _hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer that ``AsyncLM`` needs: the one inside mlx-lm's
+    ``TokenizerWrapper`` (what ``mlx_lm.load`` gives), else ``tokenizer`` itself."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def _local_folder(model_name: str) -> str:
+    """The local folder of ``model_name`` (an embedded alias, a folder, or a Hub id: its snapshot
+    folder, from the local cache when offline). Raises ValueError as
+    :func:`genback.registry.resolve`."""
+    from ...registry import resolve
+
+    path = resolve(model_name)
+    if not os.path.isdir(path):  # a Hub id: its snapshot folder (offline: the local cache)
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path)
+    return path
+
+
+def _load_model(path: str, model_name: str):
+    """mlx-lm's model from folder ``path`` (its config's RoPE settings fixed by
+    :func:`_config_overrides`). Raises ValueError when mlx-lm cannot load it."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_config, load_model
+
+    folder = Path(path)
+    try:
+        model, _ = load_model(folder, model_config=_config_overrides(load_config(folder)))
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"model {model_name!r} could not be loaded by mlx-lm from {path}: "
+                         f"{exc}") from exc
+    return model
+
+
+def _with_adapters(model, adapter_path: str):
+    """``model`` with the mlx-lm LoRA adapters of folder ``adapter_path`` applied
+    (``mlx_lm.utils.load_adapters``). Raises ValueError unless the folder exists."""
+    from mlx_lm.utils import load_adapters
+
+    if not os.path.isdir(adapter_path):
+        raise ValueError(f"adapter_path must be an existing folder, got {adapter_path!r}")
+    return load_adapters(model, adapter_path)
+
+
 class AsyncMlxLM(AsyncLM):
     """Async, auto-batched next-token log-probs from an mlx-lm model, with prefix KV reuse.
 
@@ -84,28 +144,17 @@ class AsyncMlxLM(AsyncLM):
         max_batch_tokens: int = 2048,
     ):
         _require_mlx()
-        from .runner import MlxRunner
-
         if cache_opts:
             raise ValueError(f"cache_opts must be None or empty for genback's row cache, got "
                              f"{cache_opts!r}")
-        import mlx.core as mx
-
-        # a model built lazily on this thread (e.g. fused adapters) is materialised here: MLX
-        # cannot evaluate this thread's pending graphs on the runner's thread
-        mx.eval(mlx_lm_model.parameters())
         self.mlx_lm_model = mlx_lm_model
         self.prefill_step_size = prefill_step_size
-        runner = MlxRunner(mlx_lm_model, kv_budget_bytes=kv_budget_bytes,
-                           max_batch_tokens=max_batch_tokens, prefill_step_size=prefill_step_size)
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-        # mlx_lm.load gives a TokenizerWrapper; AsyncLM needs the Hugging Face tokenizer inside
-        hf_tokenizer = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+        runner = _runner(mlx_lm_model, kv_budget_bytes=kv_budget_bytes,
+                         max_batch_tokens=max_batch_tokens, prefill_step_size=prefill_step_size)
         args = getattr(mlx_lm_model, "args", None)
         try:
             super().__init__(
-                hf_tokenizer,
+                _hf_tokenizer(tokenizer),
                 runner,
                 vocab_size=runner.vocab_size,
                 batch_size=batch_size,
@@ -136,31 +185,16 @@ class AsyncMlxLM(AsyncLM):
         """
         _require_mlx()
         import mlx.core as mx
-        from mlx_lm.utils import load_adapters, load_config, load_model
-        from pathlib import Path
         from transformers import AutoTokenizer
-
-        from ...registry import resolve
 
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES} or None, got {dtype!r}")
-        path = resolve(model_name)
-        if not os.path.isdir(path):  # a Hub id: its snapshot folder (offline: the local cache)
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(path)
-        folder = Path(path)
-        try:
-            model, _ = load_model(folder, model_config=_config_overrides(load_config(folder)))
-        except (FileNotFoundError, ValueError) as exc:
-            raise ValueError(f"model {model_name!r} could not be loaded by mlx-lm from {path}: "
-                             f"{exc}") from exc
+        path = _local_folder(model_name)
+        model = _load_model(path, model_name)
         if dtype is not None:
             model.set_dtype(getattr(mx, dtype))
         if adapter_path is not None:
-            if not os.path.isdir(adapter_path):
-                raise ValueError(f"adapter_path must be an existing folder, got {adapter_path!r}")
-            model = load_adapters(model, adapter_path)
+            model = _with_adapters(model, adapter_path)
         model.eval()
         return cls(model, AutoTokenizer.from_pretrained(path), **kwargs)
 

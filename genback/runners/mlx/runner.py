@@ -31,23 +31,8 @@ import torch
 
 from ...query import NextToken, Prefill, Query, Score
 from ...runner import Capabilities, check_pin_budget
+from .forward import answers, cache_arrays, chunk_bounds, log_softmax, stacked_cache
 from .kv import PrefixKV, _lcp
-
-
-def _log_softmax(logits) -> torch.Tensor:
-    """float32 mx logits ``[..., V]`` -> float32 torch CPU log-probs, normalised in float64 by
-    torch (MLX's fp32 ``logsumexp`` over a 49k vocabulary is off by up to ~2e-4, torch's fp32
-    ``log_softmax`` by ~2e-5)."""
-    logits = torch.from_numpy(np.array(logits, dtype=np.float32))
-    return torch.log_softmax(logits.double(), dim=-1).float()
-
-
-def _cache_arrays(cache: list) -> list:
-    """Every mx array a model's cache list holds (to evaluate them after a forward)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    return [x for c in cache for _, x in tree_flatten(c.state) if isinstance(x, mx.array)]
 
 
 def _kind(q: Query):
@@ -210,7 +195,7 @@ class MlxRunner:
         self._activate(adapter)
         logits = self.model(mx.array([list(tokens)], dtype=mx.int32),
                             cache=make_prompt_cache(self.model))[0, -1].astype(mx.float32)
-        return _log_softmax(logits)
+        return log_softmax(logits)
 
     def close(self) -> None:
         self.store.clear(keep_pinned=False)
@@ -322,18 +307,11 @@ class MlxRunner:
         ``[B, length - p]`` are forwarded in chunks; logits are computed only for the chunk(s)
         holding the output positions.
         """
-        import mlx.core as mx
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache
 
         length, n_out = len(queries[0].tokens), queries[0].n_outputs
         if p > 0:
-            cache = []
-            for layer in range(len(entries[0].layers)):
-                c = KVCache()
-                c.keys = mx.concatenate([e.layers[layer][0][:, :, :p, :] for e in entries])
-                c.values = mx.concatenate([e.layers[layer][1][:, :, :p, :] for e in entries])
-                c.offset = p
-                cache.append(c)
+            cache = stacked_cache(entries, p)
             for e in entries:
                 self.store.touch(e)
             self.tokens_reused += p * len(queries)
@@ -341,12 +319,23 @@ class MlxRunner:
             cache = make_prompt_cache(self.model)
         ids = np.asarray([q.tokens for q in queries], dtype=np.int32)  # [B, length]
         first_out = length - n_out  # logits wanted at positions first_out .. length-1
-        if self._head is not None:  # body per chunk, the head only where logits are wanted
-            bounds = list(range(p, length, self.prefill_step_size)) + [length]
-        else:  # the whole model: keep the logits-free chunks apart from the wanted ones
-            bounds = list(range(p, first_out, self.prefill_step_size)) + \
-                list(range(first_out, length, self.prefill_step_size)) + [length]
-        bounds = sorted(set(max(b, p) for b in bounds))
+        bounds = chunk_bounds(p, length, first_out, self.prefill_step_size, self._head is not None)
+        pieces = self._chunks(kind, ids, cache, bounds, first_out)
+        self.tokens_forwarded += (length - p) * len(queries)
+        if self.reuse:
+            for b, q in enumerate(queries):
+                layers = [(c.keys[b:b + 1, :, :length, :], c.values[b:b + 1, :, :length, :])
+                          for c in cache]
+                self.store.put(q.tokens, layers, self._nbytes(layers), q.adapter)
+        return answers(kind, queries, pieces)
+
+    def _chunks(self, kind: type, ids: np.ndarray, cache: list, bounds: list[int],
+                first_out: int) -> list[torch.Tensor]:
+        """Forward ``ids`` (int32 ``[B, length]``) chunk by chunk (``bounds``: :func:`chunk_bounds`)
+        through ``cache``; the log-probs of the positions from ``first_out`` on (float32 ``[B,
+        positions, V]`` per chunk that holds some; a next-token group's last position only)."""
+        import mlx.core as mx
+
         pieces = []
         for lo, hi in zip(bounds, bounds[1:]):
             chunk = mx.array(ids[:, lo:hi])  # [B, hi - lo]
@@ -363,23 +352,8 @@ class MlxRunner:
                 wanted = logits[:, offset:, :].astype(mx.float32)
                 if kind is NextToken:  # a next-token row: the last position
                     wanted = wanted[:, -1:, :]
-                mx.eval(wanted, *_cache_arrays(cache))
-                pieces.append(_log_softmax(wanted))  # [B, hi - max(lo, first_out), V]
+                mx.eval(wanted, *cache_arrays(cache))
+                pieces.append(log_softmax(wanted))  # [B, hi - max(lo, first_out), V]
             else:
-                mx.eval(*_cache_arrays(cache))
-        self.tokens_forwarded += (length - p) * len(queries)
-        if self.reuse:
-            for b, q in enumerate(queries):
-                layers = [(c.keys[b:b + 1, :, :length, :], c.values[b:b + 1, :, :length, :])
-                          for c in cache]
-                self.store.put(q.tokens, layers, self._nbytes(layers), q.adapter)
-        if kind is Prefill:
-            return [None] * len(queries)
-        logp = torch.cat(pieces, dim=1)  # [B, n_out (rows: 1), V]
-        if kind is NextToken:
-            return [logp[b, -1].clone() for b in range(len(queries))]
-        targets = torch.tensor([q.targets for q in queries], dtype=torch.long)  # [B, n_out]
-        values = logp.gather(-1, targets[..., None])[..., 0]  # [B, n_out]
-        greedy = logp.argmax(-1) == targets  # [B, n_out] bool: scoring requests' flags
-        return [(values[b].clone(), greedy[b].clone()) if q.greedy else values[b].clone()
-                for b, q in enumerate(queries)]
+                mx.eval(*cache_arrays(cache))
+        return pieces

@@ -25,6 +25,7 @@ outside ``[-2, 2]``, and a ``min_new_tokens`` with enders that leave out the mod
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import AsyncIterator
 
 from ...sampling import Choice, SamplingParams
@@ -81,6 +82,27 @@ async def stream_request(engine, prompt: list[int], vparams, lora, tag, top: int
         ValueError: its adapter was removed meanwhile.
     """
     want = vparams.logprobs is not None
+    queue, future = _submit(engine, prompt, vparams, lora, tag)
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                future.result()  # raises the request's error, if any
+                return
+            token_ids, logprobs = item
+            for i, token in enumerate(token_ids):
+                yield choice(token, logprobs[i] if want else None, top)
+                if token in enders:
+                    return
+    finally:
+        future.cancel()  # no-op when finished; else aborts the request
+
+
+def _submit(engine, prompt: list[int], vparams, lora, tag
+            ) -> tuple[asyncio.Queue, concurrent.futures.Future]:
+    """Submit the request to ``engine``; return ``(queue, future)``: the queue (on the running
+    loop) receives ``(token ids, log-probs or None)`` per output of vLLM, in order, then
+    ``_DONE`` when ``future`` (the request's, on the engine thread) finishes."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -97,19 +119,7 @@ async def stream_request(engine, prompt: list[int], vparams, lora, tag, top: int
     future = engine.submit(engine.join(
         object(), lambda: engine.generate(prompt, vparams, on_output, lora), tag))
     future.add_done_callback(lambda _: put(_DONE))
-    try:
-        while True:
-            item = await queue.get()
-            if item is _DONE:
-                future.result()  # raises the request's error, if any
-                return
-            token_ids, logprobs = item
-            for i, token in enumerate(token_ids):
-                yield choice(token, logprobs[i] if want else None, top)
-                if token in enders:
-                    return
-    finally:
-        future.cancel()  # no-op when finished; else aborts the request
+    return queue, future
 
 
 def choice(token: int, logprobs: dict | None, top: int) -> Choice:

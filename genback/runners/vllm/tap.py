@@ -107,6 +107,73 @@ def check_tap_spec(tap) -> None:
         raise ValueError(f"extra_args[{TAP_KEY!r}] must be [path, slot, width], got {tap!r}")
 
 
+class _TapBody:
+    """The body of :class:`RowTap`, apart from vLLM's base class (so that importing this module
+    does not import vLLM). ``_swap`` is vLLM's ``MoveDirectionality.SWAP``, set by
+    :func:`row_tap_class`."""
+
+    _swap = None
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self._taps: dict[int, tuple] = {}  # batch index -> (path, slot, width)
+        self._files: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        tap = (sampling_params.extra_args or {}).get(TAP_KEY)
+        if tap is not None:
+            check_tap_spec(tap)
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # so vLLM applies it for greedy requests too
+
+    def update_state(self, batch_update) -> None:
+        if not batch_update:
+            return
+        for index in batch_update.removed:  # order: removed, added, moved (vLLM's contract)
+            self._taps.pop(index, None)
+        for index, params, _, _ in batch_update.added:
+            tap = (params.extra_args or {}).get(TAP_KEY) if params is not None else None
+            if tap is None:
+                self._taps.pop(index, None)
+            else:
+                self._taps[index] = (tap[0], int(tap[1]), int(tap[2]))
+        for a, b, direction in batch_update.moved:
+            entry_a, entry_b = self._taps.pop(a, None), self._taps.pop(b, None)
+            if entry_a is not None:
+                self._taps[b] = entry_a
+            if entry_b is not None and direction == self._swap:
+                self._taps[a] = entry_b
+
+    def _file(self, path: str, width: int):
+        """The shared file ``path`` mapped as float32 ``[rows, width]`` (kept mapped), or None
+        when this machine has no such file."""
+        rows = self._files.get(path)
+        if rows is None:
+            if not os.path.exists(path):  # another machine: the client falls back
+                return None
+            if len(self._files) > 256:  # files of closed models: drop the oldest mapping
+                self._files.pop(next(iter(self._files)))
+            n = os.path.getsize(path) // 4
+            rows = torch.from_file(path, shared=True, size=n, dtype=torch.float32)
+            rows = self._files[path] = rows.view(-1, width)
+        return rows
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:  # logits: [batch, V]
+        if not self._taps:
+            return logits
+        indices = list(self._taps)
+        values = torch.log_softmax(logits[indices].float(), dim=-1).cpu()  # [taps, V] float32
+        n = values.shape[-1]
+        for k, index in enumerate(indices):
+            path, slot, width = self._taps[index]
+            rows = self._file(path, width)
+            if rows is not None and slot < rows.shape[0]:
+                rows[slot, :n].copy_(values[k, :width])
+                rows[slot, n:].fill_(-math.inf)  # logits narrower than the row: padding
+        return logits
+
+
 _ROW_TAP = None
 
 
@@ -117,69 +184,14 @@ def row_tap_class():
         return _ROW_TAP
     from vllm.v1.sample.logits_processor import LogitsProcessor, MoveDirectionality
 
-    class RowTap(LogitsProcessor):
+    class RowTap(_TapBody, LogitsProcessor):
         """vLLM V1 logits processor: copies the log-softmax of the raw float32 logits of the
         requests that ask for it (``extra_args["genback_row"] = [path, slot, width]``) into row
         ``slot`` of the shared file ``path``; returns the logits unchanged. It is applied before
         penalties and sampling, and genback's row requests set no logit-changing option, so the
         logits are the model's own."""
 
-        def __init__(self, vllm_config, device, is_pin_memory):
-            self._taps: dict[int, tuple] = {}  # batch index -> (path, slot, width)
-            self._files: dict[str, torch.Tensor] = {}
-
-        @classmethod
-        def validate_params(cls, sampling_params):
-            tap = (sampling_params.extra_args or {}).get(TAP_KEY)
-            if tap is not None:
-                check_tap_spec(tap)
-
-        def is_argmax_invariant(self) -> bool:
-            return False  # so vLLM applies it for greedy requests too
-
-        def update_state(self, batch_update) -> None:
-            if not batch_update:
-                return
-            for index in batch_update.removed:  # order: removed, added, moved (vLLM's contract)
-                self._taps.pop(index, None)
-            for index, params, _, _ in batch_update.added:
-                tap = (params.extra_args or {}).get(TAP_KEY) if params is not None else None
-                if tap is None:
-                    self._taps.pop(index, None)
-                else:
-                    self._taps[index] = (tap[0], int(tap[1]), int(tap[2]))
-            for a, b, direction in batch_update.moved:
-                entry_a, entry_b = self._taps.pop(a, None), self._taps.pop(b, None)
-                if entry_a is not None:
-                    self._taps[b] = entry_a
-                if entry_b is not None and direction == MoveDirectionality.SWAP:
-                    self._taps[a] = entry_b
-
-        def _file(self, path: str, width: int):
-            rows = self._files.get(path)
-            if rows is None:
-                if not os.path.exists(path):  # another machine: the client falls back
-                    return None
-                if len(self._files) > 256:  # files of closed models: drop the oldest mapping
-                    self._files.pop(next(iter(self._files)))
-                n = os.path.getsize(path) // 4
-                rows = torch.from_file(path, shared=True, size=n, dtype=torch.float32)
-                rows = self._files[path] = rows.view(-1, width)
-            return rows
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if not self._taps:
-                return logits
-            indices = list(self._taps)
-            values = torch.log_softmax(logits[indices].float(), dim=-1).cpu()
-            n = values.shape[-1]
-            for k, index in enumerate(indices):
-                path, slot, width = self._taps[index]
-                rows = self._file(path, width)
-                if rows is not None and slot < rows.shape[0]:
-                    rows[slot, :n].copy_(values[k, :width])
-                    rows[slot, n:].fill_(-math.inf)  # logits narrower than the row: padding
-            return logits
+        _swap = MoveDirectionality.SWAP
 
     RowTap.__module__ = __name__
     RowTap.__qualname__ = "RowTap"
