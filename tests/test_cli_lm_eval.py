@@ -36,7 +36,7 @@ def test_a_folder_without_a_model_fails_before_lm_eval_starts(tmp_path):
     with pytest.raises(ValueError, match=r"argument --model_args: pretrained=.*empty: folder .* "
                                          r"holds no model: none of config.json"):
         check_pretrained(["--model_args", f"pretrained={tmp_path / 'empty'},backend=hf"])
-    with pytest.raises(ValueError, match="unknown model alias 'gpt2'"):
+    with pytest.raises(ValueError, match="pretrained=gpt2: model 'gpt2' is a Hub id that is not in"):
         check_pretrained(["--model_args=pretrained=gpt2", "--tasks", "x"])
     check_pretrained(["--model_args", "pretrained=smollm2-135m"])  # an alias: not converted here
     check_pretrained(["--model", "hf", "--model_args", "pretrained=gpt2"])  # not genback's model

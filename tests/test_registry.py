@@ -66,8 +66,10 @@ def test_resolution_rules(tmp_path, monkeypatch):
     # Hub ids (returned unchanged when cached or the Hub is reachable): tests/test_offline.py
     with pytest.raises(ValueError, match="must be non-empty"):
         resolve("  ")
-    with pytest.raises(ValueError, match="unknown model alias 'gpt-17'"):
-        resolve("gpt-17")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="model 'gpt-17' is a Hub id that is not in the local"):
+        resolve("gpt-17")  # a legacy Hub id without an organisation, not cached
     assert "smollm2-135m" in EMBEDDED_MODELS
 
 

@@ -131,7 +131,9 @@ class AsyncMlxLM(AsyncLM):
             **kwargs: passed to the constructor (``batch_size``, ``timeout``, ``cache_size``, ...).
 
         Raises:
-            ValueError: unknown alias / missing folder / Hub id not available, or a bad ``dtype``.
+            genback.registry.ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model
+                is not available or mlx-lm cannot load it (see :func:`genback.registry.resolve`).
+            ValueError: a bad ``dtype``.
             ImportError: mlx / mlx-lm are not installed.
         """
         _require_mlx()
@@ -140,21 +142,20 @@ class AsyncMlxLM(AsyncLM):
         from pathlib import Path
         from transformers import AutoTokenizer
 
-        from ..registry import resolve
+        from ..registry import resolve, unavailable
 
         if dtype is not None and dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES} or None, got {dtype!r}")
         path = resolve(model_name)
-        if not os.path.isdir(path):  # a Hub id: its snapshot folder (offline: the local cache)
-            from huggingface_hub import snapshot_download
-
-            path = snapshot_download(path)
-        folder = Path(path)
         try:
+            if not os.path.isdir(path):  # a Hub id (online): its snapshot folder, downloaded
+                from huggingface_hub import snapshot_download
+
+                path = snapshot_download(path)
+            folder = Path(path)
             model, _ = load_model(folder, model_config=_config_overrides(load_config(folder)))
-        except (FileNotFoundError, ValueError) as exc:
-            raise ValueError(f"model {model_name!r} could not be loaded by mlx-lm from {path}: "
-                             f"{exc}") from exc
+        except (OSError, ValueError) as exc:
+            raise unavailable(model_name, exc) from exc
         if dtype is not None:
             model.set_dtype(getattr(mx, dtype))
         if adapter_path is not None:
