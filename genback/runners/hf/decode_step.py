@@ -56,7 +56,7 @@ from .cascade import DecodeBuffers, decode_attention
 from .kv_pool import KVPool
 from .lanes import REFRESH, Lanes
 from .segments import split_segments
-from .tree_cache import TreeCache
+from .tree_cache import TreeCache, cache_argument
 
 NAME = "genback_decode"
 
@@ -276,8 +276,8 @@ class DecodeStep:
         with torch.inference_mode(), tree_attention.active(buf), \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
-            out = model(input_ids=buf.ids, position_ids=buf.positions,
-                        past_key_values=TreeCache(buf), use_cache=True, logits_to_keep=1)
+            out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,
+                        logits_to_keep=1, **cache_argument(model, TreeCache(buf)))
             buf.logits.copy_(out.logits[:, -1])
 
     def _capture(self, buf: DecodeBuffers):

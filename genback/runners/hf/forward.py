@@ -26,7 +26,7 @@ from . import tree_attention
 from .kv_pool import KVPool, run_start
 from .plan import Path
 from .segments import split_segments
-from .tree_cache import TreeCache
+from .tree_cache import TreeCache, cache_argument, returned_cache
 
 
 def _long(values, device=None) -> torch.Tensor:
@@ -200,8 +200,8 @@ def _run_model(model, input_ids, positions, spans, cache, attention_mask=None):
                 input_ids=input_ids.to(dev),
                 attention_mask=attention_mask,
                 position_ids=positions.to(dev),
-                past_key_values=cache,
                 use_cache=True,
+                **cache_argument(model, cache),
                 logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=dev),
             )
     finally:
@@ -313,7 +313,7 @@ def dense_forward(model, paths: list[Path], *, pad_id: int, pool: KVPool,
                                  None if bool(mask.all()) else mask.to(dev))
         values = _outputs(paths, logits, row_device)
         index = torch.from_numpy(new_slots.ravel()).to(dev)
-        for j, layer in enumerate(out.past_key_values.layers):  # the new tokens' KV, one copy
+        for j, layer in enumerate(returned_cache(out).layers):  # the new tokens' KV, one copy
             H, D = layer.keys.shape[1], layer.keys.shape[3]
             pool.write(j, index, layer.keys[:, :, P:].transpose(0, 1).reshape(H, R * m, D),
                        layer.values[:, :, P:].transpose(0, 1).reshape(H, R * m, D))

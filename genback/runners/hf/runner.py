@@ -26,6 +26,7 @@ from .kvtree import KVTree
 from .lora import LoraAdapters
 from .kv_pool import CachedNode, KVPool
 from .picture import draw
+from .tree_cache import returned_cache
 from .plan import (ForwardBudget, Output, Path, group_paths, plan_batch, plan_step,
                    query_path)
 
@@ -131,7 +132,7 @@ class HFRunner:
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device),
                              use_cache=True)
-        layers = getattr(getattr(out, "past_key_values", None), "layers", None)
+        layers = getattr(returned_cache(out), "layers", None)
         if not layers or getattr(layers[0], "keys", None) is None:
             raise TypeError(
                 f"AsyncTransformer needs a causal LM whose forward returns a key/value cache "
