@@ -222,28 +222,42 @@ def cmd_sample(args) -> int:
         UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
     """
     if args.tree:
-        _tree_format(args.tree)  # (before any work)
+        _check_tree(args)  # (before any work)
     lm = _load(args)
     ids = _encode(lm, args.prompt)
+    _check_room(lm, ids, args.max_tokens)
     eos = [lm.tokenizer.eos_token_id] if lm.tokenizer.eos_token_id is not None else []
+    bar = _progress(args)
 
-    async def greedy():  # the most likely token at each step (every particle gets the same text)
+    async def greedy(i):  # the most likely token at each step (every particle gets the same text)
         out: list[int] = []
         for _ in range(args.max_tokens):
             token = int((await lm.next_token_logprobs(ids + out)).argmax())
             if token in eos:
                 break
             out.append(token)
+            bar.token()
+        bar.done()
+        return out
+
+    async def particle(i):  # batch_sample's draws (particle i: seed + i), counted as they come
+        out: list[int] = []
+        async for token in lm.sample_stream(ids, args.max_tokens, eos, args.temperature,
+                                            args.seed + i):
+            out.append(token)
+            bar.token()
+        bar.done()
         return out
 
     async def run():
-        if args.greedy:
-            return await asyncio.gather(*(greedy() for _ in range(args.particles)))
-        return await lm.batch_sample([ids] * args.particles, args.max_tokens, eos,
-                                     temperature=args.temperature, seed=args.seed)
+        one = greedy if args.greedy else particle
+        return await asyncio.gather(*(one(i) for i in range(args.particles)))
 
     start = time.perf_counter()
-    completions = asyncio.run(run())
+    try:
+        completions = asyncio.run(run())
+    finally:
+        bar.close()
     wall = time.perf_counter() - start
     for i, tokens in enumerate(completions):
         text = (args.prompt + lm.tokenizer.decode(tokens)).replace("\n", "\\n")
@@ -266,6 +280,79 @@ def cmd_sample(args) -> int:
     finally:
         lm.close()
     return 0
+
+
+def _check_room(lm, ids: list[int], max_tokens: int) -> None:
+    """``UsageError`` when ``--max-tokens`` new tokens after ``ids`` cannot fit the model's window
+    (the rule of :meth:`genback.llm.decoding.Decoding.room`), before any sampling."""
+    room = lm.decoding.room(len(ids))
+    if max_tokens > room:
+        raise UsageError(
+            f"argument --max-tokens: {max_tokens} new tokens after the {len(ids)}-token prompt "
+            f"go past the model's window of {lm.max_context_length} tokens: at most {room}")
+
+
+class _Progress:
+    """``genback sample``'s progress bar on standard error (tqdm): tokens sampled, particles
+    alive, tokens/s. ``enabled=False`` makes every method a no-op."""
+
+    def __init__(self, particles: int, total: int, enabled: bool):
+        self.alive = particles
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="tok", desc="sampling", file=sys.stderr,
+                            dynamic_ncols=True, leave=False)
+            self.bar.set_postfix(alive=self.alive)
+
+    def token(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def done(self) -> None:
+        """One particle finished."""
+        self.alive -= 1
+        if self.bar is not None:
+            self.bar.set_postfix(alive=self.alive)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(args) -> _Progress:
+    """The bar of a ``genback sample`` run: shown unless ``--quiet`` or standard error is not a
+    terminal."""
+    shown = not args.quiet and sys.stderr.isatty()
+    return _Progress(args.particles, args.particles * args.max_tokens, shown)
+
+
+def _check_tree(args) -> None:
+    """Everything ``--tree FILE`` needs, checked before the model is loaded: a known suffix
+    (and Graphviz's ``dot`` for a rendered one), an existing output folder, the ``graphviz``
+    package, and a backend that keeps a KV tree.
+
+    Raises:
+        UsageError: the first of these that is missing, naming ``--tree``.
+    """
+    from pathlib import Path
+
+    from .backends import BACKENDS, backend_class
+
+    _tree_format(args.tree)
+    folder = Path(args.tree).parent
+    if not folder.is_dir():
+        raise UsageError(f"argument --tree: the folder {str(folder)!r} of {args.tree!r} does not "
+                         "exist: create it first")
+    try:
+        import graphviz  # noqa: F401 - pure Python, imported in milliseconds
+    except ImportError:
+        raise UsageError("argument --tree: needs the graphviz package (a dependency of genback): "
+                         "pip install graphviz") from None
+    if not hasattr(backend_class(args.backend), "visualize_cache"):
+        raise UsageError(f"argument --tree: needs --backend hf (a KV tree); "
+                         f"{BACKENDS[args.backend].class_name} (--backend {args.backend}) has none")
 
 
 def _write_tree(lm, path: str) -> None:

@@ -24,6 +24,7 @@ asks it a question and prints the answer:
   chars      the most likely next characters after a prompt (token-character trie)
   sample     run several samplers at once and show how their queries were batched
   eval       score a local JSONL task (multiple choice, perplexity, generation)
+  lm-eval    run lm-evaluation-harness tasks with genback (lm-eval's own options)
 """
 
 EPILOG = """\
@@ -238,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", metavar="FILE",
                    help="at the end, write a picture of the KV tree the particles left (hf "
                         "backend): FILE.gv / FILE.dot is Graphviz source; .svg, .png or .pdf "
-                        "are rendered with Graphviz's dot program (default: no picture)")
+                        "are rendered with Graphviz's dot program; checked before sampling "
+                        "(default: no picture)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (tokens sampled, particles alive, tokens/s) on standard "
+                        "error; it is shown only when standard error is a terminal (default: off)")
 
     add("lm-eval", "run lm-evaluation-harness tasks with genback (lm-eval's own options)",
         LM_EVAL_HELP)

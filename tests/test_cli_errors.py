@@ -33,6 +33,12 @@ MISTAKES = [
     ('genback sample "Once" --temperature 0', "argument --temperature: must be a finite number > 0, got '0'"),
     ('genback sample "Once" --greedy --temperature 0.5', "argument --temperature: not allowed with argument --greedy"),
     ('genback sample "Once" --seed -3', "argument --seed: must be a whole number >= 0, got '-3'"),
+    ('genback sample "Once" --max-tokens 9000', "argument --max-tokens: 9000 new tokens after the 1-token "
+     "prompt go past the model's window of 8192 tokens: at most 8192"),
+    ('genback sample "Once" --tree no-such-folder/tree.gv',
+     "argument --tree: the folder 'no-such-folder' of 'no-such-folder/tree.gv' does not exist"),
+    ('genback sample "Once" --backend mock --tree tree.gv',
+     "argument --tree: needs --backend hf (a KV tree); MockAsyncLM (--backend mock) has none"),
     ('genback logprobs "The sky is" --threads 0', "argument --threads: must be a whole number >= 1, got '0'"),
     ('genback logprobs "The sky is" --model gpt2',
      "argument --model: model 'gpt2' is a Hub id that is not in the local Hugging Face cache"),
