@@ -51,6 +51,10 @@ MISTAKES = [
     ('genback logprobs "The sky is" --backend vllm', "argument --backend: 'vllm' is not available here"),
     ("genback eval missing.jsonl", "argument TASK_FILE: [Errno 2] No such file or directory: 'missing.jsonl'"),
     ("genback eval notes.txt", "argument TASK_FILE: notes.txt:1: not JSON"),
+    ("genback eval foo.jsonl", "argument TASK_FILE: foo.jsonl:1: a line of no known kind (keys ['foo']): "
+     "a multiple-choice line has \"choices\""),
+    ("genback eval mixed.jsonl", "argument TASK_FILE: mixed.jsonl:2: a perplexity line (keys ['text']) in a "
+     "multiple_choice task: every line of a file must be of the kind of its first line"),
     ("genback eval mc.jsonl --limit 0", "argument --limit: must be a whole number >= 1, got '0'"),
     ("genback frobnicate", "argument COMMAND: invalid choice: 'frobnicate'"),
 ]
@@ -77,6 +81,9 @@ def workdir(tmp_path_factory):
     (folder / "empty-folder").mkdir()
     (folder / "notes.txt").write_text("this is not JSON\n")
     (folder / "mc.jsonl").write_text('{"context": "2+2=", "choices": [" 4", " 5"], "answer": 0}\n')
+    (folder / "foo.jsonl").write_text('{"foo": 1}\n')
+    (folder / "mixed.jsonl").write_text('{"context": "2+2=", "choices": [" 4", " 5"], "answer": 0}\n'
+                                        '{"text": "a perplexity line"}\n')
     return folder
 
 

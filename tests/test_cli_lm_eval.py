@@ -87,7 +87,7 @@ def test_help_shows_genbacks_model_args_and_an_example(tmp_path):
     for key in ("pretrained=", "backend=hf|vllm|mlx|mock", "max_length=", "max_gen_toks=",
                 "max_in_flight="):
         assert key in ours, key
-    assert "genback lm-eval --model_args pretrained=smollm2-135m" in ours and "--include_path ." in ours
+    assert "genback lm-eval --model_args pretrained=smollm2-135m" in ours and "--include_path examples/own_data" in ours
     assert "--model_args" in theirs and "--tasks" in theirs  # lm-eval's own help follows
 
 
