@@ -64,7 +64,7 @@ def on_files(files, config):
     from mkdocs.structure.files import File
 
     picture = smc_picture()
-    picture.graph_attr["rankdir"] = "TB"  # taller than wide: fits the content column better
+    picture.attr(rankdir="TB")  # (after draw's LR: the last one holds) fits the content column better
     _state["source"] = picture.source
     _state["svg"] = None
     if shutil.which("dot") is not None:
