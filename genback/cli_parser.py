@@ -36,9 +36,9 @@ examples:
   genback eval tasks.jsonl --output results.json
 
 Run 'genback COMMAND --help' for a command's options. Offline: embedded aliases and local
-folders never touch the network; a Hub id 'org/name' loads from the local Hugging Face cache,
-and fails at once with advice when it is not there and the Hub is off (HF_HUB_OFFLINE=1) or
-unreachable. Add --debug to any command to see the Python traceback of an error.
+folders never touch the network; a Hub id ('org/name', or a legacy 'gpt2') loads from the local
+Hugging Face cache, and fails at once with advice when it is not there and the Hub is off
+(HF_HUB_OFFLINE=1) or unreachable. Add --debug to any command to see the Python traceback of an error.
 """
 
 EVAL_FORMATS = """\
