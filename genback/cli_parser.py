@@ -24,6 +24,7 @@ asks it a question and prints the answer:
   chars      the most likely next characters after a prompt (token-character trie)
   sample     run several samplers at once and show how their queries were batched
   eval       score a local JSONL task (multiple choice, perplexity, generation)
+  lm-eval    run lm-evaluation-harness tasks with genback (lm-eval's own options)
 """
 
 EPILOG = """\
@@ -35,9 +36,9 @@ examples:
   genback eval tasks.jsonl --output results.json
 
 Run 'genback COMMAND --help' for a command's options. Offline: embedded aliases and local
-folders never touch the network; a Hub id 'org/name' loads from the local Hugging Face cache,
-and fails at once with advice when it is not there and the Hub is off (HF_HUB_OFFLINE=1) or
-unreachable. Add --debug to any command to see the Python traceback of an error.
+folders never touch the network; a Hub id ('org/name', or a legacy 'gpt2') loads from the local
+Hugging Face cache, and fails at once with advice when it is not there and the Hub is off
+(HF_HUB_OFFLINE=1) or unreachable. Add --debug to any command to see the Python traceback of an error.
 """
 
 EVAL_FORMATS = """\
@@ -163,11 +164,31 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print genback's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 title="commands (run 'genback COMMAND --help' for its options)")
-
     common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true",
                         help="show the Python traceback of an error instead of one line (default: off)")
 
+    def add(name, help, description, parents=(), epilog=None):
+        description = textwrap.fill(description, width=96)
+        return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                              parents=[*parents, common], formatter_class=_Formatter)
+
+    model_opts = _model_options()
+    add("models", "list the embedded model aliases and whether each is ready",
+        "List the embedded model aliases, whether each is converted and ready to load in seconds, "
+        "and its cache folder.")
+    _add_logprobs(add, model_opts)
+    _add_chars(add, model_opts)
+    _add_sample(add, model_opts)
+    add("lm-eval", "run lm-evaluation-harness tasks with genback (lm-eval's own options)",
+        LM_EVAL_HELP)
+    _add_eval(add, model_opts)
+    return parser
+
+
+def _model_options() -> argparse.ArgumentParser:
+    """The options of every command that loads a model: ``--model``, ``--backend`` (from
+    :data:`genback.backends.BACKENDS`), ``--verbose``, ``--threads``."""
     from .backends import BACKENDS
 
     model_opts = _Parser(add_help=False)
@@ -185,42 +206,41 @@ def build_parser() -> argparse.ArgumentParser:
                                  "warnings and errors only)")
     model_opts.add_argument("--threads", type=_int_at_least(1), default=1, metavar="N",
                             help="torch CPU threads (default: %(default)s)")
+    return model_opts
 
-    def add(name, help, description, parents=(), epilog=None):
-        description = textwrap.fill(description, width=96)
-        return sub.add_parser(name, help=help, description=description, epilog=epilog,
-                              parents=[*parents, common], formatter_class=_Formatter)
 
-    def prompt_arg(p, what):
-        p.add_argument("prompt", type=_prompt, metavar="PROMPT",
-                       help=f"the text {what} (quote it; must not be empty)")
+def _prompt_arg(p, what: str) -> None:
+    p.add_argument("prompt", type=_prompt, metavar="PROMPT",
+                   help=f"the text {what} (quote it; must not be empty)")
 
-    add("models", "list the embedded model aliases and whether each is ready",
-        "List the embedded model aliases, whether each is converted and ready to load in seconds, "
-        "and its cache folder.")
 
+def _add_logprobs(add, model_opts) -> None:
     p = add("logprobs", "the most likely next tokens after a prompt",
             "Print the K most likely next tokens after PROMPT with their probabilities "
             "(one forward of the model).", [model_opts])
-    prompt_arg(p, "to continue")
+    _prompt_arg(p, "to continue")
     p.add_argument("--top-k", type=_int_at_least(1), default=10, metavar="K",
                    help="how many tokens to print, most likely first (default: %(default)s)")
 
+
+def _add_chars(add, model_opts) -> None:
     p = add("chars", "the most likely next characters after a prompt",
             "Print the K most likely next characters after PROMPT: the probability of a character "
             "is the total next-token probability of the tokens whose text starts with it, summed "
             "over the token-character trie.", [model_opts])
-    prompt_arg(p, "to continue")
+    _prompt_arg(p, "to continue")
     p.add_argument("--top-k", type=_int_at_least(1), default=10, metavar="K",
                    help="how many characters to print, most likely first (default: %(default)s)")
     p.add_argument("--bytes", action="store_true",
                    help="group by first byte instead of whole UTF-8 characters (default: off)")
 
+
+def _add_sample(add, model_opts) -> None:
     p = add("sample", "run concurrent samplers and print batching statistics",
             "Continue PROMPT with N particles at once, one token per step; their concurrent "
             "queries are batched and share the KV of their common prefix. Prints every "
             "completion, then forwards, batch sizes and tokens forwarded.", [model_opts])
-    prompt_arg(p, "every particle continues")
+    _prompt_arg(p, "every particle continues")
     p.add_argument("--particles", type=_int_at_least(1), default=16, metavar="N",
                    help="how many completions to draw concurrently (default: %(default)s)")
     p.add_argument("--max-tokens", type=_int_at_least(1), default=32, metavar="N",
@@ -238,11 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", metavar="FILE",
                    help="at the end, write a picture of the KV tree the particles left (hf "
                         "backend): FILE.gv / FILE.dot is Graphviz source; .svg, .png or .pdf "
-                        "are rendered with Graphviz's dot program (default: no picture)")
+                        "are rendered with Graphviz's dot program; checked before sampling "
+                        "(default: no picture)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (tokens sampled, particles alive, tokens/s) on standard "
+                        "error; it is shown only when standard error is a terminal (default: off)")
 
-    add("lm-eval", "run lm-evaluation-harness tasks with genback (lm-eval's own options)",
-        LM_EVAL_HELP)
 
+def _add_eval(add, model_opts) -> None:
     p = add("eval", "score a multiple-choice, perplexity or generation task from a JSONL file",
             "Run a local task file on a model and print its metrics.", [model_opts],
             epilog=EVAL_FORMATS)
@@ -260,4 +283,3 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default=None, metavar="FILE",
                    help="write the summary and per-line results as JSON here (default: not written)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown)")
-    return parser

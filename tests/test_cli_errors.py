@@ -33,8 +33,15 @@ MISTAKES = [
     ('genback sample "Once" --temperature 0', "argument --temperature: must be a finite number > 0, got '0'"),
     ('genback sample "Once" --greedy --temperature 0.5', "argument --temperature: not allowed with argument --greedy"),
     ('genback sample "Once" --seed -3', "argument --seed: must be a whole number >= 0, got '-3'"),
+    ('genback sample "Once" --max-tokens 9000', "argument --max-tokens: 9000 new tokens after the 1-token "
+     "prompt go past the model's window of 8192 tokens: at most 8192"),
+    ('genback sample "Once" --tree no-such-folder/tree.gv',
+     "argument --tree: the folder 'no-such-folder' of 'no-such-folder/tree.gv' does not exist"),
+    ('genback sample "Once" --backend mock --tree tree.gv',
+     "argument --tree: needs --backend hf (a KV tree); MockAsyncLM (--backend mock) has none"),
     ('genback logprobs "The sky is" --threads 0', "argument --threads: must be a whole number >= 1, got '0'"),
-    ('genback logprobs "The sky is" --model gpt2', "argument --model: unknown model alias 'gpt2'"),
+    ('genback logprobs "The sky is" --model gpt2',
+     "argument --model: model 'gpt2' is a Hub id that is not in the local Hugging Face cache"),
     ('genback logprobs "The sky is" --model ./no-such-folder/', "argument --model: model './no-such-folder/' is neither"),
     ('genback logprobs "The sky is" --model someorg/somemodel',
      "argument --model: model 'someorg/somemodel' is a Hub id that is not in the local Hugging Face cache"),
@@ -44,6 +51,10 @@ MISTAKES = [
     ('genback logprobs "The sky is" --backend vllm', "argument --backend: 'vllm' is not available here"),
     ("genback eval missing.jsonl", "argument TASK_FILE: [Errno 2] No such file or directory: 'missing.jsonl'"),
     ("genback eval notes.txt", "argument TASK_FILE: notes.txt:1: not JSON"),
+    ("genback eval foo.jsonl", "argument TASK_FILE: foo.jsonl:1: a line of no known kind (keys ['foo']): "
+     "a multiple-choice line has \"choices\""),
+    ("genback eval mixed.jsonl", "argument TASK_FILE: mixed.jsonl:2: a perplexity line (keys ['text']) in a "
+     "multiple_choice task: every line of a file must be of the kind of its first line"),
     ("genback eval mc.jsonl --limit 0", "argument --limit: must be a whole number >= 1, got '0'"),
     ("genback frobnicate", "argument COMMAND: invalid choice: 'frobnicate'"),
 ]
@@ -70,6 +81,9 @@ def workdir(tmp_path_factory):
     (folder / "empty-folder").mkdir()
     (folder / "notes.txt").write_text("this is not JSON\n")
     (folder / "mc.jsonl").write_text('{"context": "2+2=", "choices": [" 4", " 5"], "answer": 0}\n')
+    (folder / "foo.jsonl").write_text('{"foo": 1}\n')
+    (folder / "mixed.jsonl").write_text('{"context": "2+2=", "choices": [" 4", " 5"], "answer": 0}\n'
+                                        '{"text": "a perplexity line"}\n')
     return folder
 
 

@@ -36,7 +36,7 @@ def test_a_folder_without_a_model_fails_before_lm_eval_starts(tmp_path):
     with pytest.raises(ValueError, match=r"argument --model_args: pretrained=.*empty: folder .* "
                                          r"holds no model: none of config.json"):
         check_pretrained(["--model_args", f"pretrained={tmp_path / 'empty'},backend=hf"])
-    with pytest.raises(ValueError, match="unknown model alias 'gpt2'"):
+    with pytest.raises(ValueError, match="pretrained=gpt2: model 'gpt2' is a Hub id that is not in"):
         check_pretrained(["--model_args=pretrained=gpt2", "--tasks", "x"])
     check_pretrained(["--model_args", "pretrained=smollm2-135m"])  # an alias: not converted here
     check_pretrained(["--model", "hf", "--model_args", "pretrained=gpt2"])  # not genback's model
@@ -87,7 +87,7 @@ def test_help_shows_genbacks_model_args_and_an_example(tmp_path):
     for key in ("pretrained=", "backend=hf|vllm|mlx|mock", "max_length=", "max_gen_toks=",
                 "max_in_flight="):
         assert key in ours, key
-    assert "genback lm-eval --model_args pretrained=smollm2-135m" in ours and "--include_path ." in ours
+    assert "genback lm-eval --model_args pretrained=smollm2-135m" in ours and "--include_path examples/own_data" in ours
     assert "--model_args" in theirs and "--tasks" in theirs  # lm-eval's own help follows
 
 

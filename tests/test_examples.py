@@ -32,8 +32,8 @@ OWN_DATA = ROOT / "examples" / "own_data"
 
 @pytest.mark.slow
 def test_own_data_task_runs_with_genback_lm_eval(module_smol_lm, tmp_path):
-    """``examples/own_data`` (docs: "Evaluate on your own data"): the documented command, run in
-    that folder, gives the accuracy that scoring each choice directly gives. (This is also the
+    """``examples/own_data`` (docs: "Evaluate on your own data"): the documented command, run from
+    the repository root, gives the accuracy that scoring each choice directly gives. (This is also the
     suite's end-to-end run of ``genback lm-eval``: ``python -m genback`` is the same ``main``.)"""
     pytest.importorskip("lm_eval", reason="lm-eval is in the [eval] extra")
     import json
@@ -42,8 +42,8 @@ def test_own_data_task_runs_with_genback_lm_eval(module_smol_lm, tmp_path):
 
     proc = subprocess.run(
         [sys.executable, "-m", "genback", "lm-eval", "--model_args", "pretrained=smollm2-135m",
-         "--tasks", "my_qa", "--include_path", ".", "--output_path", str(tmp_path)],
-        cwd=OWN_DATA, capture_output=True, text=True, timeout=600,
+         "--tasks", "my_qa", "--include_path", "examples/own_data", "--output_path", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"\|\s*my_qa\s*\|.*\|\s*acc\s*\|", proc.stdout), proc.stdout[-2000:]

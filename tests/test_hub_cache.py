@@ -93,7 +93,8 @@ def test_resolve_finds_cached_id_and_rejects_uncached_one(hf_home, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
-    assert resolve(HUB_ID) == HUB_ID
+    assert resolve(HUB_ID) == str(hf_home / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+                                  / "snapshots" / _commit(HUB_ID))  # offline: its snapshot
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         resolve("HuggingFaceTB/SmolLM2-360M-Instruct")
 
@@ -111,6 +112,6 @@ def test_tokenizer_only_repo_resolves_offline(tmp_path, monkeypatch):
     add_to_cache(tmp_path / "hub", "someorg/tokenizer-only", folder)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert resolve("someorg/tokenizer-only") == "someorg/tokenizer-only"
+    assert resolve("someorg/tokenizer-only").endswith("snapshots/" + _commit("someorg/tokenizer-only"))
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         resolve("someorg/absent")

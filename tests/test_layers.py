@@ -22,7 +22,7 @@ PACKAGE = ROOT / "genback"
 # top first; a module belongs to the first layer whose prefix it starts with
 LAYERS = [
     ("cli", ("genback.__init__", "genback.__main__", "genback.cli", "genback.cli_parser",
-             "genback.cli_lm_eval", "genback.compat")),
+             "genback.cli_lm_eval", "genback.cli_sample", "genback.cli_model", "genback.compat")),
     ("engine", ("genback.engine",)),
     ("facade", ("genback.llm", "genback.backends")),
     ("backends", ("genback.runners",)),

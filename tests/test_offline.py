@@ -63,10 +63,11 @@ def test_hub_id_with_hub_unreachable_fails_with_advice(monkeypatch, empty_hf_cac
         resolve("someorg/somemodel")
 
 
-def test_cached_hub_id_is_returned_unchanged_offline(monkeypatch, empty_hf_cache):
+def test_cached_hub_id_is_its_snapshot_offline(monkeypatch, empty_hf_cache):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     _cache_model(empty_hf_cache, "someorg/cached-model")
-    assert resolve("someorg/cached-model") == "someorg/cached-model"
+    snapshot = empty_hf_cache / "models--someorg--cached-model" / "snapshots" / ("0" * 40)
+    assert resolve("someorg/cached-model") == str(snapshot)  # the files transformers would read
     check_hub_id_available("someorg/cached-model")  # no error
 
 
@@ -85,6 +86,6 @@ def test_embedded_aliases_and_folders_never_probe_the_hub(monkeypatch, tmp_path)
     monkeypatch.setattr(registry, "hub_offline_reason", lambda *a, **k: calls.append(a))
     (tmp_path / "config.json").write_text("{}")  # a model folder (resolve refuses empty ones)
     assert resolve(str(tmp_path)) == str(tmp_path)
-    with pytest.raises(ValueError, match="unknown model alias"):
-        resolve("gpt2")
+    with pytest.raises(ValueError, match="neither an embedded alias"):
+        resolve("./no/such/folder")
     assert calls == []

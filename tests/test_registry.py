@@ -66,8 +66,10 @@ def test_resolution_rules(tmp_path, monkeypatch):
     # Hub ids (returned unchanged when cached or the Hub is reachable): tests/test_offline.py
     with pytest.raises(ValueError, match="must be non-empty"):
         resolve("  ")
-    with pytest.raises(ValueError, match="unknown model alias 'gpt-17'"):
-        resolve("gpt-17")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match="model 'gpt-17' is a Hub id that is not in the local"):
+        resolve("gpt-17")  # a legacy Hub id without an organisation, not cached
     assert "smollm2-135m" in EMBEDDED_MODELS
 
 
@@ -75,3 +77,8 @@ def test_models_command_lists_aliases(tmp_path):
     out = subprocess.run([sys.executable, "-m", "genback.cli", "models"], env=_env(tmp_path),
                          capture_output=True, text=True, check=True).stdout
     assert "smollm2-135m" in out and " no " in out  # not converted in this fresh home
+    # one column per field: every alias row's description starts where the header's does
+    header, *rows = [ln for ln in out.splitlines() if not ln.startswith(" ")]
+    column = header.index("description")
+    assert [r[column:].split(" (")[0].split(" ")[0] for r in rows] == [
+        m.description.split(" ")[0] for m in EMBEDDED_MODELS.values()]

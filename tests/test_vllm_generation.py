@@ -122,8 +122,11 @@ async def test_bad_generation_arguments(vlm):
         await _tokens(vlm, ids, SamplingParams(), -1)
     with pytest.raises(ValueError, match="stop_token_ids"):
         await _tokens(vlm, ids, SamplingParams(), 2, stop_token_ids=[vlm.vocab_size])
-    with pytest.raises(ValueError, match="max_model_len"):
-        await _tokens(vlm, ids, SamplingParams(), 600)
+    # past the window (max_model_len 512: 511 inputs) the generation stops there, tokens kept
+    long = [1] * 505
+    assert len(await _tokens(vlm, long, SamplingParams(), 600, eos_token_ids=[])) == 512 - 505
+    with pytest.raises(ValueError, match="prompt_token_ids has 512 tokens, more than the model's"):
+        await _tokens(vlm, [1] * 512, SamplingParams(), 1)
     with pytest.raises(ValueError, match="lora_name='nope'"):
         await _tokens(vlm, ids, SamplingParams(), 2, lora_name="nope")
 

@@ -64,6 +64,7 @@ def on_files(files, config):
     from mkdocs.structure.files import File
 
     picture = smc_picture()
+    picture.attr(rankdir="TB")  # (after draw's LR: the last one holds) fits the content column better
     _state["source"] = picture.source
     _state["svg"] = None
     if shutil.which("dot") is not None:
@@ -79,7 +80,8 @@ def on_page_markdown(text, page, config, files):
         return text
     if _state.get("svg"):
         depth = page.file.src_uri.count("/")
-        block = f"![The KV tree after an SMC run]({'../' * depth}{IMAGE})"
+        path = f"{'../' * depth}{IMAGE}"
+        block = f"[![The KV tree after an SMC run]({path})]({path})"  # click: the picture alone
     else:
         block = ("Graphviz's `dot` was not installed when this page was built, so here is the "
                  "picture's Graphviz source (paste it into any Graphviz viewer):\n\n"

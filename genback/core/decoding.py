@@ -82,6 +82,11 @@ class Decoding:
         ``min_new_tokens`` tokens. Closing the iterator early (``aclose``, ``break`` out of
         ``async for`` then closing it, or cancelling the consumer) stops the generation.
 
+        The model's window bounds every generation on every backend (:meth:`room`): a prompt
+        longer than the window is refused before any work; a generation that reaches the window
+        ends there, after ``room(len(prompt))`` tokens, as if ``max_new_tokens`` said so (finish
+        reason ``"length"``), keeping its tokens.
+
         Who makes the tokens is decided once: a runner that streams by itself
         (``Capabilities.streams``, ``AsyncVirtualLM``) gets the generation when its sampler takes
         these options (:mod:`genback.runners.vllm.stream`: one vLLM request, vLLM's sampler);
@@ -101,30 +106,49 @@ class Decoding:
             lora_name: None or a registered adapter's name.
 
         Raises:
-            TypeError / ValueError: a bad argument (the message names it), an unknown
-                ``lora_name``, or every token banned at a step; on a streaming runner (vLLM)
-                also a prompt plus ``max_new_tokens`` beyond the engine's ``max_model_len``, or
-                the adapter removed meanwhile.
+            TypeError / ValueError: a bad argument (the message names it), a prompt longer
+                than the model's window (``max_context_length``), an unknown ``lora_name``, or
+                every token banned at a step; on a streaming runner (vLLM) also the adapter
+                removed meanwhile.
             BatcherClosed: the model was closed or reset meanwhile.
             RuntimeError: (vLLM) the engine failed the request.
         """
         front = self.front
         prompt, enders = self.check_generation(prompt_token_ids, params, max_new_tokens,
                                                eos_token_ids, min_new_tokens, stop_token_ids)
+        max_new_tokens = min(max_new_tokens, self.room(len(prompt)))
         adapter = front.adapter_key(lora_name)
-        runner = front.runner
-        if front.capabilities.streams and runner.can_stream(params, min_new_tokens, enders,
-                                                            self.eos_token_ids):
-            front.check_adapter(adapter)
-            stream = runner.stream(prompt, params, max_new_tokens, min_new_tokens, enders,
-                                   adapter)
-            front.count(len(prompt))
-            try:
-                async for choice in stream:
-                    yield choice
-            finally:
-                await stream.aclose()
-            return
+        if front.capabilities.streams and front.runner.can_stream(
+                params, min_new_tokens, enders, self.eos_token_ids):
+            steps = self._runner_stream(prompt, params, max_new_tokens, min_new_tokens, enders,
+                                        adapter)
+        else:
+            steps = self._steps(prompt, params, max_new_tokens, min_new_tokens, enders,
+                                lora_name)
+        try:
+            async for choice in steps:
+                yield choice
+        finally:
+            await steps.aclose()
+
+    async def _runner_stream(self, prompt, params, max_new_tokens, min_new_tokens, enders,
+                             adapter) -> AsyncIterator[Choice]:
+        """The generation as the runner streams it (one request of its own engine)."""
+        front = self.front
+        front.check_adapter(adapter)
+        stream = front.runner.stream(prompt, params, max_new_tokens, min_new_tokens, enders,
+                                     adapter)
+        front.count(len(prompt))
+        try:
+            async for choice in stream:
+                yield choice
+        finally:
+            await stream.aclose()
+
+    async def _steps(self, prompt, params, max_new_tokens, min_new_tokens, enders,
+                     lora_name) -> AsyncIterator[Choice]:
+        """The generation as :meth:`choose_next` steps, one token each, enders banned for the
+        first ``min_new_tokens``; the ender chosen, if any, last."""
         banned = tuple(sorted(enders))
         generated: list[int] = []
         for step in range(max_new_tokens):
@@ -134,6 +158,14 @@ class Decoding:
             if choice.token in enders:
                 return
             generated.append(choice.token)
+
+    def room(self, prompt_length: int) -> int | float:
+        """The most new tokens a generation after a prompt of ``prompt_length`` tokens can have
+        on this model: ``max_context_length + 1 - prompt_length`` (a forward's inputs are the
+        prompt and all new tokens but the last; vLLM's ``max_model_len`` is that window plus
+        one), ``math.inf`` for a model without a window. The one rule of every backend."""
+        window = self.front.max_context_length
+        return math.inf if not window else window + 1 - prompt_length
 
     def check_generation(self, prompt_token_ids, params, max_new_tokens, eos_token_ids,
                          min_new_tokens, stop_token_ids) -> tuple[list[int], frozenset[int]]:
@@ -192,16 +224,17 @@ class Decoding:
         draw uses a generator seeded from ``(seed, step)``: reproducible when ``seed`` is given,
         whatever else is computed beside it. On ``AsyncVirtualLM`` it is vLLM's sampler with a
         per-request seed: the same distribution, reproducible, but another random stream than
-        ``AsyncTransformer``'s. Stops after ``max_tokens`` tokens or at a token in
-        ``eos_token_ids`` (not included; the model's own EOS does not stop it unless listed).
+        ``AsyncTransformer``'s. Stops after ``max_tokens`` tokens, at a token in
+        ``eos_token_ids`` (not included; the model's own EOS does not stop it unless listed), or
+        when the model's window is full (after :meth:`room` tokens; the tokens are kept).
 
         Returns:
             the generated token ids (without the prompt).
 
         Raises:
-            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids, an unknown
-                ``lora_name``, or (vLLM) prompt plus ``max_tokens`` longer than the engine's
-                ``max_model_len``.
+            ValueError: ``max_tokens`` < 0, ``temperature`` <= 0, bad ids, a prompt longer than
+                the model's window (``max_context_length``; refused before any work), or an
+                unknown ``lora_name``.
             TypeError: a ``temperature`` that is not a number (``True`` included), a ``seed``
                 that is not an int or None.
             RuntimeError: (vLLM) the engine failed the request.
@@ -231,15 +264,22 @@ class Decoding:
         """Sample every prompt concurrently (their steps share batches).
 
         ``seed``: None, one int (prompt ``i`` uses ``seed + i``), or a list with one seed per prompt.
+        Every prompt is checked before any is sampled, so a bad one (bad ids, longer than the
+        window) fails the call before any work, naming its index; a prompt whose sample reaches
+        the window stops there (:meth:`sample`) while the others go on. If a sample fails
+        meanwhile, the others are cancelled rather than left running.
 
         Returns:
             One list of generated token ids per prompt, in order (as :meth:`sample`).
 
         Raises:
-            TypeError / ValueError: as :meth:`sample`; also ``prompt_token_ids_list`` not a
-                non-empty list, or a ``seed`` list of the wrong length or with a non-int.
+            TypeError / ValueError: as :meth:`sample` (the message names
+                ``prompt_token_ids_list[i]``); also ``prompt_token_ids_list`` not a non-empty
+                list, or a ``seed`` list of the wrong length or with a non-int.
         """
         prompts = check_list(prompt_token_ids_list, "prompt_token_ids_list")
+        prompts = [list(self.front.context(p, f"prompt_token_ids_list[{i}]")[0])
+                   for i, p in enumerate(prompts)]
         if seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):
             seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
         elif isinstance(seed, (list, tuple)):
@@ -251,13 +291,28 @@ class Decoding:
         else:
             raise TypeError(f"seed must be None, an int, or a list of ints (one per prompt), got "
                             f"{type(seed).__name__}: {seed!r}")
-        return list(await asyncio.gather(*(
+        self.check_sample_args(prompts[0], max_tokens, eos_token_ids, temperature)
+        self.front.adapter_key(lora_name)
+        return await _all_or_none([
             self.sample(p, max_tokens, eos_token_ids, temperature, s, lora_name)
             for p, s in zip(prompts, seeds)
-        )))
+        ])
 
 
 def _check_seed(seed, name: str) -> None:
     """``TypeError`` naming ``name`` unless ``seed`` is None or an int (not a bool)."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
         raise TypeError(f"{name} must be an int or None, got {type(seed).__name__}: {seed!r}")
+
+
+async def _all_or_none(coroutines) -> list:
+    """The results of ``coroutines`` run concurrently, in order; when one raises, the others are
+    cancelled (and awaited) before its exception propagates, so no orphan keeps computing."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

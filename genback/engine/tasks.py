@@ -61,8 +61,7 @@ def load_task(path, kind: str | None = None, limit: int | None = None) -> tuple[
             if found is None:
                 found = k
             if k is None or k != found:
-                raise ValueError(f"{path}:{n}: a {k or 'unknown'} line (keys {sorted(row)}) in a "
-                                 f"{found} task; see genback.engine.tasks for the formats")
+                raise ValueError(_mismatch(path, n, row, k, found))
             if k == "multiple_choice":
                 _check_mc(row, f"{path}:{n}")
             rows.append(row)
@@ -198,3 +197,15 @@ def _run_gen(session, rows, max_new_tokens, progress):
 def write_records(path, summary: dict, records: list[dict]) -> None:
     """Write ``{"summary": ..., "records": [...]}`` as JSON to ``path``."""
     Path(path).write_text(json.dumps({"summary": summary, "records": records}, indent=1))
+
+
+def _mismatch(path, n: int, row: dict, kind: str | None, task_kind: str | None) -> str:
+    """The message for line ``n`` whose keys make no known kind (``kind`` None), or another
+    kind than the task's first line."""
+    keys = f"keys {sorted(row)}"
+    if kind is None:
+        return (f"{path}:{n}: a line of no known kind ({keys}): a multiple-choice line has "
+                "\"choices\", a generation line \"prompt\" or \"messages\", a perplexity line "
+                "\"text\"; see genback.engine.tasks for the formats")
+    return (f"{path}:{n}: a {kind} line ({keys}) in a {task_kind} task: every line of a file "
+            "must be of the kind of its first line")

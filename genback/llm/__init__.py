@@ -60,7 +60,9 @@ def load_model_by_name(name: str = "smollm2-135m", backend: str | None = None,
             ``{"engine_opts": {"tensor_parallel_size": 2}}``).
 
     Raises:
-        ValueError: unknown backend or model.
+        ValueError: an unknown backend.
+        genback.registry.ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model is
+            not available (see :func:`genback.registry.resolve`).
         ImportError: ``backend="vllm"`` without vLLM, or ``"mlx"`` without mlx / mlx-lm.
     """
     if backend is None:

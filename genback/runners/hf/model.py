@@ -115,7 +115,10 @@ class AsyncTransformer(AsyncLM):
             **kwargs: passed to the constructor.
 
         Raises:
-            ValueError: unknown alias / missing folder, or the model cannot be loaded offline.
+            genback.registry.ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model
+                is not available: an alias whose package is missing, a missing folder, a Hub id
+                neither cached nor downloadable; the message says what to install or download.
+            ValueError: an empty name or a folder that holds no model.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,13 +135,9 @@ class AsyncTransformer(AsyncLM):
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, **opts)
         except OSError as exc:
-            from ...registry import EMBEDDED_MODELS
+            from ...registry import unavailable
 
-            raise ValueError(
-                f"model {model_id!r} could not be loaded: it is not an embedded alias "
-                f"{sorted(EMBEDDED_MODELS)} or a local folder, and loading it as a Hub id failed "
-                f"({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-            ) from exc
+            raise unavailable(model_id, exc) from exc
         return cls(model, tokenizer, **kwargs)
 
     def visualize_cache(self, max_nodes: int = 200, lora_name=None):

@@ -38,6 +38,7 @@ from .forward import attention as tree_attention
 from .forward.base import ForwardOut
 from .forward.dense import DenseForward
 from .forward.tree import TreeForward
+from .forward.tree_cache import returned_cache
 from .lora import LoraAdapters
 from .memory import trim_host_memory
 from .options import attention_kind, check_device, check_options
@@ -132,7 +133,7 @@ class HFRunner:
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device),
                              use_cache=True)
-        layers = getattr(getattr(out, "past_key_values", None), "layers", None)
+        layers = getattr(returned_cache(out), "layers", None)
         if not layers or getattr(layers[0], "keys", None) is None:
             raise TypeError(
                 f"AsyncTransformer needs a causal LM whose forward returns a key/value cache "

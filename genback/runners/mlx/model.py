@@ -60,31 +60,36 @@ def _hf_tokenizer(tokenizer):
 
 def _local_folder(model_name: str) -> str:
     """The local folder of ``model_name`` (an embedded alias, a folder, or a Hub id: its snapshot
-    folder, from the local cache when offline). Raises ValueError as
-    :func:`genback.registry.resolve`."""
-    from ...registry import resolve
+    folder, downloaded when online). Raises :class:`genback.registry.ModelNotFoundError` as
+    :func:`genback.registry.resolve` does, or when the snapshot cannot be had."""
+    from ...registry import resolve, unavailable
 
     path = resolve(model_name)
-    if not os.path.isdir(path):  # a Hub id: its snapshot folder (offline: the local cache)
+    if not os.path.isdir(path):  # a Hub id (online): its snapshot folder, downloaded
         from huggingface_hub import snapshot_download
 
-        path = snapshot_download(path)
+        try:
+            path = snapshot_download(path)
+        except (OSError, ValueError) as exc:
+            raise unavailable(model_name, exc) from exc
     return path
 
 
 def _load_model(path: str, model_name: str):
     """mlx-lm's model from folder ``path`` (its config's RoPE settings fixed by
-    :func:`_config_overrides`). Raises ValueError when mlx-lm cannot load it."""
+    :func:`_config_overrides`). Raises :class:`genback.registry.ModelNotFoundError` when mlx-lm
+    cannot load it."""
     from pathlib import Path
 
     from mlx_lm.utils import load_config, load_model
 
+    from ...registry import unavailable
+
     folder = Path(path)
     try:
         model, _ = load_model(folder, model_config=_config_overrides(load_config(folder)))
-    except (FileNotFoundError, ValueError) as exc:
-        raise ValueError(f"model {model_name!r} could not be loaded by mlx-lm from {path}: "
-                         f"{exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise unavailable(model_name, exc) from exc
     return model
 
 
@@ -180,7 +185,9 @@ class AsyncMlxLM(AsyncLM):
             **kwargs: passed to the constructor (``batch_size``, ``timeout``, ``cache_size``, ...).
 
         Raises:
-            ValueError: unknown alias / missing folder / Hub id not available, or a bad ``dtype``.
+            genback.registry.ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model
+                is not available or mlx-lm cannot load it (see :func:`genback.registry.resolve`).
+            ValueError: a bad ``dtype``.
             ImportError: mlx / mlx-lm are not installed.
         """
         _require_mlx()

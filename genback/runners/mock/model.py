@@ -26,12 +26,22 @@ class MockAsyncLM(AsyncLM):
 
     @classmethod
     def from_name(cls, model_name: str = "smollm2-135m", **kwargs) -> "MockAsyncLM":
-        """A mock over the tokenizer of ``model_name`` (embedded alias, folder or Hub id)."""
+        """A mock over the tokenizer of ``model_name`` (embedded alias, folder or Hub id).
+
+        Raises:
+            genback.registry.ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model's
+                tokenizer is not available (see :func:`genback.registry.resolve`).
+        """
         from transformers import AutoTokenizer
 
-        from ...registry import resolve
+        from ...registry import resolve, unavailable
 
-        return cls(AutoTokenizer.from_pretrained(resolve(model_name)), **kwargs)
+        path = resolve(model_name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except OSError as exc:
+            raise unavailable(model_name, exc) from exc
+        return cls(tokenizer, **kwargs)
 
     def _row(self, tokens):
         return self.runner.row(tuple(tokens))

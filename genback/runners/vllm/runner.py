@@ -156,17 +156,13 @@ class VLLMRunner:
     def stream(self, prompt: list[int], params: SamplingParams, max_new_tokens: int,
                min_new_tokens: int, enders: frozenset[int], adapter: int | None):
         """Async iterator of the :class:`~genback.sampling.Choice` of each new token, as vLLM
-        makes them: one request (:func:`.stream.stream_request`), closed -> aborted.
+        makes them: one request (:func:`.stream.stream_request`), closed -> aborted. The caller
+        (:meth:`genback.core.decoding.Decoding.generate_stream`) has already capped
+        ``max_new_tokens`` at the window, so prompt plus new tokens fit ``max_model_len``.
 
         Raises:
-            ValueError: the prompt plus ``max_new_tokens`` exceed ``max_model_len``, or the
-                adapter was removed.
+            ValueError: the adapter was removed.
         """
-        if len(prompt) + max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt_token_ids ({len(prompt)} tokens) plus {max_new_tokens} new tokens "
-                f"(max_new_tokens; sample's max_tokens) exceed the engine's "
-                f"max_model_len={self.max_model_len}")
         lora = self.lora_request(adapter)
         if max_new_tokens == 0:
             return _nothing()

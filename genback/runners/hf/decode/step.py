@@ -59,7 +59,7 @@ from ..cache.kv_pool import KVPool
 from ..forward import attention as tree_attention
 from ..forward.base import ForwardOut
 from ..forward.results import outputs
-from ..forward.tree_cache import TreeCache
+from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.segments import split_segments
 from .cascade import DecodeBuffers, StepLayout, decode_attention
 from .graphs import StepGraphs
@@ -318,8 +318,8 @@ class DecodeStep:
         with torch.inference_mode(), tree_attention.active(buf), \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
-            out = model(input_ids=buf.ids, position_ids=buf.positions,
-                        past_key_values=TreeCache(buf), use_cache=True, logits_to_keep=1)
+            out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,
+                        logits_to_keep=1, **cache_argument(model, TreeCache(buf)))
             buf.logits.copy_(out.logits[:, -1])
 
 

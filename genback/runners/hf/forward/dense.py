@@ -11,6 +11,7 @@ from ..plan.batch import Path
 from .base import ForwardOut, model_inputs, new_slots, split_new_slots
 from .logits import output_spans, run_model
 from .results import outputs
+from .tree_cache import returned_cache
 
 
 class DenseForward:
@@ -33,7 +34,7 @@ class DenseForward:
             out, logits = run_model(self.model, input_ids, positions, output_spans(paths), cache,
                                     None if bool(mask.all()) else mask.to(pool.device))
             values = outputs(paths, logits, self.row_device)
-            _write_new_kv(pool, out.past_key_values.layers, slots, P)
+            _write_new_kv(pool, returned_cache(out).layers, slots, P)
         except BaseException:
             pool.free(slots[slots > 0])
             raise

@@ -7,6 +7,7 @@ import torch
 
 from ..plan.batch import Path
 from .base import as_long
+from .tree_cache import cache_argument
 
 
 def output_spans(paths: list[Path]) -> list[tuple[int, int, int]]:
@@ -52,8 +53,8 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None):
                 input_ids=input_ids.to(dev),
                 attention_mask=attention_mask,
                 position_ids=positions.to(dev),
-                past_key_values=cache,
                 use_cache=True,
+                **cache_argument(model, cache),
                 logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=dev),
             )
     finally:

@@ -9,6 +9,9 @@ past from the pool itself. Positions are always given explicitly.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -47,3 +50,27 @@ class TreeCache(Cache):
 
     def __len__(self) -> int:
         return self.n_layers
+
+
+def cache_argument(model, cache) -> dict:
+    """``{name: cache}``, the keyword argument by which ``model``'s forward takes a KV cache:
+    ``cache`` from transformers 5.24 on, ``past_key_values`` before (5.24 still takes the old
+    name, with a ``FutureWarning``, until 5.40)."""
+    return {_cache_parameter(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_parameter(model_class) -> str:
+    forward = getattr(model_class, "forward", None)
+    try:
+        parameters = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):  # no signature to read: the name every release takes
+        parameters = {}
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The KV cache a forward returned, or None: ``output.cache`` from transformers 5.24 on,
+    ``output.past_key_values`` before (a deprecated alias of ``cache`` in 5.24)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
