@@ -278,7 +278,7 @@ class Decoding:
                 list, or a ``seed`` list of the wrong length or with a non-int.
         """
         prompts = check_list(prompt_token_ids_list, "prompt_token_ids_list")
-        prompts = [list(self.front.context(p, f"prompt_token_ids_list[{i}]")[0])
+        prompts = [list(self.front.tokens(p, f"prompt_token_ids_list[{i}]"))
                    for i, p in enumerate(prompts)]
         if seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)):
             seeds = [None if seed is None else int(seed) + i for i in range(len(prompts))]
