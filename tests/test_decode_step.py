@@ -167,9 +167,10 @@ def test_grouped_query_llama_decode_steps_equal_uncached(gpt2_tok, no_tf32, devi
             rows[mode] = _steps(lm, trace)
             info = lm.cache_info()
             assert info["decode_steps"] == len(trace)
-            if mode == "graphs":
+            if mode == "graphs":  # every capture checked at its first replay, and kept
                 assert info["decode_replays"] == len(trace) and info["decode_captures"] >= 1
-                assert info["decode_graph_bytes"] >= 0
+                assert info["decode_graphs_verified"] == info["decode_captures"]
+                assert info["decode_graphs_rejected"] == 0 and info["decode_graph_bytes"] >= 0
             for i in (0, len(trace) // 2, len(trace) - 1):
                 for j in (0, len(trace[i]) - 1):
                     ref = lm.next_token_logprobs_uncached(trace[i][j]).float().cpu()

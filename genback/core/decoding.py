@@ -131,19 +131,19 @@ class Decoding:
         finally:
             await steps.aclose()
 
-    async def _runner_stream(self, prompt, params, max_new_tokens, min_new_tokens, enders,
-                             adapter) -> AsyncIterator[Choice]:
-        """The generation as the runner streams it (one request of its own engine)."""
+    def _runner_stream(self, prompt, params, max_new_tokens, min_new_tokens, enders,
+                       adapter) -> AsyncIterator[Choice]:
+        """The generation as the runner streams it (one request of its own engine).
+
+        Raises:
+            ValueError: the adapter was removed or replaced.
+        """
         front = self.front
         front.check_adapter(adapter)
         stream = front.runner.stream(prompt, params, max_new_tokens, min_new_tokens, enders,
                                      adapter)
         front.count(len(prompt))
-        try:
-            async for choice in stream:
-                yield choice
-        finally:
-            await stream.aclose()
+        return stream
 
     async def _steps(self, prompt, params, max_new_tokens, min_new_tokens, enders,
                      lora_name) -> AsyncIterator[Choice]:
