@@ -108,9 +108,9 @@ def check_tap_spec(tap) -> None:
 
 
 class _TapBody:
-    """The body of :class:`RowTap`, apart from vLLM's base class (so that importing this module
-    does not import vLLM). ``_swap`` is vLLM's ``MoveDirectionality.SWAP``, set by
-    :func:`row_tap_class`."""
+    """The body of ``RowTap``, apart from vLLM's base class (so that importing this module does
+    not import vLLM). ``RowTap`` itself is built on first use by :func:`row_tap_class`, which
+    sets ``_swap`` to vLLM's ``MoveDirectionality.SWAP``."""
 
     _swap = None
 
