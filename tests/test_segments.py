@@ -40,19 +40,36 @@ def _key(slots: np.ndarray) -> tuple[int, int]:
 
 def _brute(paths: list[Path], min_shared: int):
     """The per-path rule, segment by segment: ``(shared {key: sorted path indices}, private
-    [[key, ...] per path])`` with key ``(first slot, length)`` of a segment."""
+    [[key, ...] per path])`` with key ``(first slot, length)`` of a segment. The segments on
+    every path: each one that is long enough and one run of slots is shared by itself, the
+    others are joined, root side first, into one segment (shared when long enough, else the
+    first private segment of every path); the segments on some paths: shared when on two or
+    more and long enough."""
     segs = [prefix_segments(p.holder, p.cached) for p in paths]
     count = Counter((id(n), k) for row in segs for n, k, _ in row)
-    shared, private = {}, []
-    for i, row in enumerate(segs):
-        mine = []
-        for n, k, slots in row:
-            key = _key(slots)
-            if count[(id(n), k)] >= 2 and k >= min_shared:
-                shared.setdefault(key, []).append(i)
-            else:
+    R = len(paths)
+    shared, private = {}, [[] for _ in paths]
+    joined = [slots for n, k, slots in segs[0] if count[(id(n), k)] == R]
+    alone = [s for s in joined if R >= 2 and len(s) >= min_shared
+             and s.tolist() == list(range(int(s[0]), int(s[0]) + len(s)))]
+    rest = [s for s in joined if not any(s is a for a in alone)]
+    for s in alone:
+        shared[_key(s)] = list(range(R))
+    if rest:
+        key = _key(np.concatenate(rest))
+        if R >= 2 and key[1] >= min_shared:
+            shared[key] = list(range(R))
+        else:
+            for mine in private:
                 mine.append(key)
-        private.append(mine)
+    for i, row in enumerate(segs):
+        for n, k, slots in row:
+            if count[(id(n), k)] == R:
+                continue
+            if count[(id(n), k)] >= 2 and k >= min_shared:
+                shared.setdefault(_key(slots), []).append(i)
+            else:
+                private[i].append(_key(slots))
     return shared, private
 
 

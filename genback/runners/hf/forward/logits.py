@@ -38,15 +38,23 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None):
     (``logits_to_keep``), so paths that need different positions pay for their own only.
     """
     dev = model.device if hasattr(model, "device") else input_ids.device
+    R, m = input_ids.shape
     wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
-    flat = as_long(_flat_positions(spans, wanted), dev)
+    positions_kept = _flat_positions(spans, wanted)
+    W = len(wanted)
+    # the last W positions of every path, each once, in order (a decode step: the one new token
+    # of each path): the head runs on exactly the kept grid, so no selection is needed and
+    # ``logits_to_keep`` is the count (transformers keeps the last ``W`` positions)
+    whole_grid = wanted[0] == m - W and positions_kept == list(range(R * W))
+    flat = None if whole_grid else as_long(positions_kept, dev)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def select(module, args):  # hidden [R, W, H] -> [1, K, H]
         hidden = args[0]
         return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)[None],) + args[1:]
 
-    handle = head.register_forward_pre_hook(select) if head is not None else None
+    handle = (head.register_forward_pre_hook(select)
+              if head is not None and flat is not None else None)
     try:
         with torch.inference_mode():
             out = model(
@@ -55,12 +63,13 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None):
                 position_ids=positions.to(dev),
                 use_cache=True,
                 **cache_argument(model, cache),
-                logits_to_keep=torch.tensor(wanted, dtype=torch.long, device=dev),
+                logits_to_keep=(W if whole_grid
+                                else torch.tensor(wanted, dtype=torch.long, device=dev)),
             )
     finally:
         if handle is not None:
             handle.remove()
     logits = out.logits
-    if head is None:  # no head module to hook: select from the full grid
+    if head is None and flat is not None:  # no head module to hook: select from the full grid
         logits = logits.reshape(-1, logits.shape[-1]).index_select(0, flat)
     return out, logits.reshape(-1, logits.shape[-1])

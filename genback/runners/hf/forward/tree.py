@@ -5,6 +5,7 @@ KV is written to fresh pool slots."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..cache.kv_pool import KVPool, run_start
@@ -65,13 +66,14 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int
     ``int64 [R, m]`` the new tokens' slots."""
     dev = pool.device
     P = layout.shape[1] - m
-    mask = torch.ones((R, 1, m, P + m), dtype=torch.bool)
-    mask[:, :, :, P:] = torch.ones((m, m), dtype=torch.bool).tril()
+    # built in NumPy, one tensor at the end (a torch op on small tensors costs several times a
+    # NumPy one on the host): each row's left padding of the private past masked (columns <
+    # pad), the new tokens causal
+    mask = np.empty((R, 1, m, P + m), dtype=bool)
+    mask[:, 0, :, :P] = (np.arange(P) >= pads[:, None])[:, None, :]
+    mask[:, 0, :, P:] = np.tri(m, dtype=bool)
     index = out = None
     if P:
-        # each row's left padding of the private past: columns < pad are masked (one op)
-        mask[:, 0, :, :P] = (torch.arange(P)[None, :]
-                             >= torch.from_numpy(pads)[:, None])[:, None, :]
         index = torch.from_numpy(layout.ravel()).to(dev)
         out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype, device=dev)
     segments = []
@@ -81,4 +83,4 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int
             start, None if start >= 0 else torch.from_numpy(seg_slots).to(dev), len(seg_slots),
             None if len(idx) == R else as_long(idx, dev), len(idx)))
     return attention.TreeBatch(segments, pool, torch.from_numpy(slots.ravel()).to(dev), index, P,
-                               mask.to(dev), out)
+                               torch.from_numpy(mask).to(dev), out)

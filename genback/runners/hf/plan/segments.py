@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cache.kv_pool import run_start
 from ..cache.nodes import holder_end
 
 
@@ -98,9 +99,15 @@ class SegmentTable:
         ends: each segment's end position in its paths (tokens from the root to its end).
         parents: each segment's parent segment in the table, -1 at the root.
         last: each path's last segment, -1 for a path with nothing cached.
+        first_walk: how many entries the first walk added (entries ``0 .. first_walk - 1``: a
+            path's chain from its last segment up to the root, child first).
+        joins: per entry, the deepest entry of that first chain on its path (itself on the first
+            chain; -1 when its path meets the first chain nowhere): where the walk that added it
+            joined the first chain, directly or through an earlier walk. The deepest segment
+            on every path (:meth:`common`) is then one maximum, with no walk of its own.
     """
 
-    __slots__ = ("slots", "lengths", "ends", "parents", "last")
+    __slots__ = ("slots", "lengths", "ends", "parents", "last", "joins", "first_walk")
 
     def __init__(self):
         self.slots: list = []
@@ -108,6 +115,8 @@ class SegmentTable:
         self.ends: list[int] = []
         self.parents: list[int] = []
         self.last: list[int] = []
+        self.joins: list[int] = []
+        self.first_walk = 0
 
     @classmethod
     def of(cls, paths: list) -> "SegmentTable":
@@ -115,6 +124,7 @@ class SegmentTable:
         table = cls()
         index: dict = {}  # a node (its whole edge) or (node, k) -> its entry
         slots, lengths, ends, parents = table.slots, table.lengths, table.ends, table.parents
+        joins = table.joins
 
         def add(seg, length: int, end: int) -> int:  # a new entry (its parent: -1 until known)
             slots.append(seg)
@@ -135,24 +145,47 @@ class SegmentTable:
             key = node if k == len(node.edge) else (node, k)
             s = index.get(key)
             if s is None:
+                first = len(parents)
                 s = index[key] = add(node.slots if key is node else node.slots[:k], k, cached)
-                child, up = s, node.parent
+                child, up, joined = s, node.parent, -1
                 while up.parent is not None:  # up to the first entry known already (or the root)
                     t = index.get(up)
                     if t is not None:
                         parents[child] = t
+                        joined = joins[t]
                         break
                     t = index[up] = add(up.slots, len(up.edge), up.depth)
                     parents[child] = t
                     child, up = t, up.parent
+                if first == 0:  # the first walk: its own chain, up to the root
+                    table.first_walk = len(parents)
+                    joins.extend(range(len(parents)))
+                else:
+                    joins.extend([joined] * (len(parents) - first))
             table.last.append(s)
         return table
 
-    def chains(self) -> np.ndarray:
+    def common(self) -> int:
+        """The deepest entry on every path's chain, or -1 when no entry is on all of them (a
+        path with nothing cached, or two paths that share no segment). The entries on every
+        path are this one and its ancestors: ``common() .. first_walk - 1``."""
+        last = self.last
+        if not last or min(last) < 0:
+            return -1
+        joins = np.array(self.joins, dtype=np.int64)[np.array(last, dtype=np.int64)]
+        return -1 if (joins < 0).any() else int(joins.max())
+
+    def chains(self, below: int = -1) -> np.ndarray:
         """``int64 [R, D]``: each path's segments from the root down (entries of the table),
-        right-aligned, -1 left of a shorter chain: one pointer chase over all paths at once."""
+        right-aligned, -1 left of a shorter chain: one pointer chase over all paths at once.
+        ``below`` (an entry of the first chain, :meth:`common`): only the segments below it,
+        so the chase runs as deep as the paths' own branches, not the whole common chain."""
         parent = np.array(self.parents + [-1], dtype=np.int64)  # (index -1: above the root)
         cur = np.array(self.last, dtype=np.int64)
+        if below >= 0:  # the common entries (below .. first_walk - 1) count as above the root
+            top = self.first_walk
+            parent[(parent >= below) & (parent < top)] = -1
+            cur[(cur >= below) & (cur < top)] = -1
         levels = []
         while len(cur) and (cur >= 0).any():
             levels.append(cur)
@@ -194,24 +227,52 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
         ``private`` the :class:`PrivatePasts` of the other segments.
     """
     table = SegmentTable.of(paths)
-    chains = table.chains()
+    R = len(paths)
+    top = table.common()
+    chains = table.chains(below=top)  # (the segments on every path are handled below, at once)
     S = len(table.lengths)
     lengths = np.array(table.lengths, dtype=np.int64)
-    # -- shared: used by >= 2 paths (or all) and long enough; root side first (by end) --------
+    can_share = R >= (1 if shared_by_all else 2)
+    # -- on every path: long runs read in place, one by one; the rest as one segment ----------
+    shared, merged = [], []
+    everyone = list(range(R))
+    if top >= 0:
+        for e in range(table.first_walk - 1, top - 1, -1):  # root side first
+            seg = table.slots[e]
+            if can_share and len(seg) >= min_shared_tokens and run_start(seg) >= 0:
+                shared.append((seg, everyone))
+            else:
+                merged.append(seg)
+    if merged:
+        merged = merged[0] if len(merged) == 1 else np.concatenate(merged)
+        if can_share and len(merged) >= min_shared_tokens:
+            shared.append((merged, everyone))
+            merged = None
+    else:
+        merged = None
+    # -- below: used by >= 2 paths (or all) and long enough; root side first (by end) ---------
     count = np.bincount(chains[chains >= 0], minlength=S)
-    enough = count == len(paths) if shared_by_all else count >= 2
+    enough = count == R if shared_by_all else count >= 2
     is_shared = enough & (lengths >= min_shared_tokens)
-    shared = []
+    is_private = count > 0
     if is_shared.any():
         shared_at = np.flatnonzero(is_shared)
         shared_at = shared_at[np.argsort(np.array(table.ends)[shared_at], kind="stable")]
-        for s in shared_at.tolist():
-            shared.append((table.slots[s], np.flatnonzero((chains == s).any(axis=1)).tolist()))
-        private_at = np.flatnonzero(~is_shared).tolist()
-        segs = [table.slots[s] for s in private_at]
-    else:
-        private_at, segs = list(range(S)), table.slots
-    # -- private: the other segments, renumbered; a shared one leaves a -1 hole in a chain -----
+        for e in shared_at.tolist():
+            shared.append((table.slots[e], np.flatnonzero((chains == e).any(axis=1)).tolist()))
+        is_private &= ~is_shared
+    private_at = np.flatnonzero(is_private)
+    # -- private: the other segments, renumbered (a shared one leaves a -1 hole in a chain);
+    # what is on every path and not shared is one more segment, first in every chain ----------
+    first = 0 if merged is None else 1
     renumber = np.full(S + 1, -1, dtype=np.int64)  # (the last entry: -1 stays -1)
-    renumber[private_at] = np.arange(len(private_at))
-    return shared, PrivatePasts(segs, lengths[private_at], renumber[chains])
+    renumber[private_at] = np.arange(first, first + len(private_at))
+    segs = [table.slots[e] for e in private_at.tolist()]
+    private_chains = renumber[chains]
+    private_lengths = lengths[private_at]
+    if merged is not None:
+        segs.insert(0, merged)
+        private_lengths = np.concatenate([[len(merged)], private_lengths])
+        private_chains = np.concatenate([np.zeros((R, 1), dtype=np.int64), private_chains],
+                                        axis=1)
+    return shared, PrivatePasts(segs, private_lengths, private_chains)
