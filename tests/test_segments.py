@@ -16,7 +16,7 @@ from genback.runners.hf.cache.kv_pool import KVPool
 from genback.runners.hf.cache.kvtree import KVTree
 from genback.runners.hf.plan.batch import Path
 from genback.runners.hf.cache.nodes import prefix_segments
-from genback.runners.hf.plan.segments import SegmentTable, split_segments
+from genback.runners.hf.plan.segments import Anchors, SegmentTable, split_segments
 
 
 def _kv(tokens: tuple, start: int) -> torch.Tensor:
@@ -73,38 +73,9 @@ def _brute(paths: list[Path], min_shared: int):
     return shared, private
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=14),
-       st.lists(st.integers(0, 40), min_size=1, max_size=10),
-       st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), max_size=4),
-       st.integers(1, 6), st.integers(1, 3), st.booleans())
-def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_shared, m, compact):
-    pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")), capacity=8)
-    tree = KVTree(1 << 30, pool)
-    stored = []
-    for s in seqs:  # contexts sharing prefixes (small alphabet)
-        tokens = tuple(s)
-        _, cached, holder = tree.match(tokens)
-        if cached < len(tokens):
-            node = tree.insert(tokens, cached, _slots(pool, tokens, cached), near=holder)
-            if compact:
-                tree.compact(node)
-        stored.append(tokens)
-    # paths: prefixes of stored contexts (some ending inside an edge), matched now
-    paths = []
-    for j in picks:
-        tokens = stored[j % len(stored)]
-        tokens = tokens[: 1 + (j // len(stored)) % len(tokens)] + (3,)  # a new last token
-        _, cached, holder = tree.match(tokens, segments=False)
-        tree.acquire(holder)
-        paths.append(Path(tokens, None, len(tokens), [], (None, cached, holder)))
-    for s in later:  # insertions after matching: they may split the paths' holders
-        tokens = tuple(s) + (4,)
-        _, cached, holder = tree.match(tokens)
-        if cached < len(tokens):
-            tree.insert(tokens, cached, _slots(pool, tokens, cached), near=holder)
-
-    shared, private = split_segments(paths, min_shared)
+def _check_split(pool, paths, min_shared, m, shared, private):
+    """``split_segments``' answer against :func:`_brute`, each path's KV read back token by
+    token, and the private layout against concatenation."""
     want_shared, want_private = _brute(paths, min_shared)
     assert {_key(slots): idx for slots, idx in shared} == want_shared
     got_private = [[_key(private.segs[j]) for j in row if j >= 0]
@@ -134,6 +105,48 @@ def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_sh
         assert layout[i, pads[i]:P].tolist() == want.tolist()
         assert (layout[i, :pads[i]] == 0).all()  # the padding reads slot 0
         assert layout[i, P:].tolist() == tail[i].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), min_size=1, max_size=14),
+       st.lists(st.integers(0, 40), min_size=1, max_size=10),
+       st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=12), max_size=4),
+       st.integers(1, 6), st.integers(1, 3), st.booleans())
+def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_shared, m, compact):
+    pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")), capacity=8)
+    tree = KVTree(1 << 30, pool)
+    stored = []
+    for s in seqs:  # contexts sharing prefixes (small alphabet)
+        tokens = tuple(s)
+        _, cached, holder = tree.match(tokens)
+        if cached < len(tokens):
+            node = tree.insert(tokens, cached, _slots(pool, tokens, cached), near=holder)
+            if compact:
+                tree.compact(node)
+        stored.append(tokens)
+    # paths: prefixes of stored contexts (some ending inside an edge), matched now
+    paths = []
+    for j in picks:
+        tokens = stored[j % len(stored)]
+        tokens = tokens[: 1 + (j // len(stored)) % len(tokens)] + (3,)  # a new last token
+        _, cached, holder = tree.match(tokens, segments=False)
+        tree.acquire(holder)
+        paths.append(Path(tokens, None, len(tokens), [], (None, cached, holder)))
+    # the same paths with anchors (each call may walk only below the last one's common node),
+    # before and after insertions that split the paths' holders (and compaction)
+    anchors = Anchors()
+    _check_split(pool, paths, min_shared, m, *split_segments(paths, min_shared, anchors=anchors))
+    for s in later:  # insertions after matching: they may split the paths' holders
+        tokens = tuple(s) + (4,)
+        _, cached, holder = tree.match(tokens)
+        if cached < len(tokens):
+            node = tree.insert(tokens, cached, _slots(pool, tokens, cached), near=holder)
+            if compact:
+                tree.compact(node)
+    _check_split(pool, paths, min_shared, m, *split_segments(paths, min_shared))
+    _check_split(pool, paths, min_shared, m, *split_segments(paths, min_shared, anchors=anchors))
+    _check_split(pool, paths[::-1], min_shared, m,
+                 *split_segments(paths[::-1], min_shared, anchors=anchors))
     for p in paths:
         tree.release(p.holder)
 
@@ -179,3 +192,61 @@ def test_the_worked_example_of_split_segments():
     layout, pads = private.layout(np.array([[20], [21], [22]]))
     assert layout.tolist() == [[0, 101, 20], [0, 102, 21], [102, 103, 22]]
     assert pads.tolist() == [1, 1, 0]
+
+
+def test_anchored_walks_agree_with_brute_force_through_an_smc_run():
+    """An SMC-shaped run on the tree (particles extend by one token, are resampled, their KV is
+    inserted and compacted, old leaves evicted under a budget): every step's split with
+    anchors, and with the particles split into two forwards that leave each other's anchor,
+    equals the per-path rule, and the anchor is used (the walks stay short)."""
+    import random
+
+    import genback.runners.hf.plan.segments as segments
+
+    rng = random.Random(0)
+    pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")), capacity=64)
+    tree = KVTree(1 << 30, pool)
+    tree.budget_bytes = 300 * tree.token_bytes  # (old leaves are evicted as the run goes)
+    prompt = tuple(range(5, 85))  # 80 tokens: a long run, read in place
+    _, cached, holder = tree.match(prompt)
+    tree.insert(prompt, cached, _slots(pool, prompt, cached), near=holder)
+    contexts = [prompt] * 6
+    anchors, stops = Anchors(), []
+    real_of = segments.SegmentTable.of
+
+    def counting_of(paths, stop=None):
+        table = real_of(paths, stop)
+        stops.append((stop is not None and not table.off_stop, len(table.lengths)))
+        return table
+
+    segments.SegmentTable.of = counting_of
+    try:
+        for step in range(120):
+            paths = []
+            for c in contexts:
+                tokens = c + (rng.randrange(3),)
+                _, cached, holder = tree.match(tokens[:-1] + (99,), segments=False)
+                tree.acquire(holder)
+                paths.append(Path(tokens, None, len(tokens), [], (None, cached, holder)))
+            groups = [paths] if step % 5 else [paths[:3], paths[3:]]  # (a step in two forwards)
+            for group in groups:
+                _check_split(pool, group, 16, 1,
+                             *split_segments(group, 16, anchors=anchors))
+            inserted = []
+            for p in paths:
+                if tree.find(p.tokens) is None:
+                    _, cached, holder = tree.match(p.tokens)
+                    inserted.append(tree.insert(p.tokens, cached,
+                                                _slots(pool, p.tokens, cached), near=holder))
+                tree.release(p.holder)
+            for node in inserted:
+                if node.slots is not None and node.parent is not None:
+                    tree.compact(node)
+            tree.evict()
+            contexts = [p.tokens for p in paths]
+            if step % 3 == 2:  # resampling: particles copy each other
+                contexts = [rng.choice(contexts[:2]) for _ in contexts]
+    finally:
+        segments.SegmentTable.of = real_of
+    used = [n for anchored, n in stops if anchored]
+    assert len(used) > len(stops) // 2  # most calls walked only below an anchor

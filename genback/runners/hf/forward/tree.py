@@ -10,7 +10,7 @@ import torch
 
 from ..cache.kv_pool import KVPool, run_start
 from ..plan.batch import Path
-from ..plan.segments import split_segments
+from ..plan.segments import Anchors, split_segments
 from . import attention
 from .base import ForwardOut, as_long, model_inputs, new_slots, split_new_slots
 from .logits import output_spans, run_model
@@ -35,6 +35,7 @@ class TreeForward:
                  row_device: torch.device):
         self.model, self.pool, self.pad_id = model, pool, pad_id
         self.min_shared_tokens, self.row_device = min_shared_tokens, row_device
+        self.anchors = Anchors()  # (where the last forward's paths all met: see split_segments)
 
     def run(self, paths: list[Path]) -> ForwardOut:
         """Forward ``paths`` with tree attention (:class:`.base.ForwardOut`; the new slots are
@@ -42,7 +43,7 @@ class TreeForward:
         pool = self.pool
         input_ids, positions, n_new = model_inputs(paths, self.pad_id)
         R, m = input_ids.shape
-        shared, private = split_segments(paths, self.min_shared_tokens)
+        shared, private = split_segments(paths, self.min_shared_tokens, anchors=self.anchors)
         slots = new_slots(pool, n_new, m)
         try:
             layout, pads = private.layout(slots)
