@@ -11,6 +11,12 @@ each holder until a node already seen: O(distinct nodes), about two per path in 
 segment is done by NumPy over the union: the count of paths through each segment, the pointer
 chase that lists each path's segments, and the layout of the private pasts' pool slots
 (:meth:`PrivatePasts.layout`).
+
+The part of the union on *every* path (the particles' common ancestry, which grows by a node
+per few steps over a whole run) is found from the walks themselves (:meth:`SegmentTable.common`)
+and handled at once, not per path: long runs of slots read in place, the rest joined into one
+segment. With :class:`Anchors` (kept by the tree forward), the next step walks only below the
+last step's common node, so neither the walks nor the chains grow with the run.
 """
 
 from __future__ import annotations
