@@ -16,7 +16,8 @@ from genback.runners.hf.cache.kv_pool import KVPool
 from genback.runners.hf.cache.kvtree import KVTree
 from genback.runners.hf.plan.batch import Path
 from genback.runners.hf.cache.nodes import prefix_segments
-from genback.runners.hf.plan.segments import Anchors, SegmentTable, split_segments
+from genback.runners.hf.plan.anchors import Anchors
+from genback.runners.hf.plan.segments import SegmentTable, split_segments
 
 
 def _kv(tokens: tuple, start: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 
 from ..cache.kv_pool import KVPool, run_start
 from ..plan.batch import Path
-from ..plan.segments import Anchors, split_segments
+from ..plan.anchors import Anchors
+from ..plan.segments import split_segments
 from . import attention
 from .base import ForwardOut, as_long, model_inputs, new_slots, split_new_slots
 from .logits import output_spans, run_model

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..cache.kv_pool import run_start
 from ..cache.nodes import holder_end
+from .anchors import ANCHOR_STEP, Anchors, meeting
 
 
 class PrivatePasts:
@@ -214,56 +215,6 @@ class SegmentTable:
         return np.stack(levels[::-1], axis=1)
 
 
-# an anchor moves down to the paths' common node once that many segments on every path lie
-# below it: the walks stay short, and forwards of one step over different particles (a batch
-# split into groups) keep meeting at one anchor instead of moving it back and forth
-ANCHOR_STEP = 8
-
-
-class Anchors:
-    """Per adapter (and sharing rule), the deepest node found on every path of the last
-    :func:`split_segments` call, with what lies above it already split into the segments
-    read in place and one joined segment: the next call's walks stop there.
-
-    An SMC run's particles all descend from the last step's common ancestor, so that node
-    stays on every path; above it each step would walk (in Python) and lay out again a chain
-    that grows with the run (a branch point per three to five steps). The slots above a node
-    never change while the node is cached (an edge split or merge only cuts or joins index
-    arrays: no KV moves, and an ancestor of a cached node is never evicted), so an anchor is
-    used while its node is cached at the same depth; a call whose paths do not all pass
-    through it walks again from the root (and finds the next anchor).
-    """
-
-    __slots__ = ("_by_key",)
-
-    def __init__(self):
-        self._by_key: dict = {}
-
-    def get(self, key):
-        """``(node, alone, joined)`` for ``key`` while its node still ends at the depth it had,
-        else None."""
-        entry = self._by_key.get(key)
-        if entry is None:
-            return None
-        node, depth, alone, joined = entry
-        if node.slots is None or node.parent is None or node.depth != depth:
-            del self._by_key[key]
-            return None
-        return node, alone, joined
-
-    def put(self, key, node, alone: tuple, joined) -> None:
-        """Remember ``node`` (on every path) with the segments above it and below the root:
-        ``alone`` (read in place, root side first) and ``joined`` (the others, one array or
-        None)."""
-        self._by_key[key] = (node, node.depth, alone, joined)
-
-    def discard(self, key) -> None:
-        self._by_key.pop(key, None)
-
-    def clear(self) -> None:
-        self._by_key.clear()
-
-
 def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = False,
                    anchors: Anchors | None = None) -> tuple[list, PrivatePasts]:
     """Decide which cached segments a forward attends to once for all paths below them.
@@ -308,54 +259,74 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
     R = len(paths)
     can_share = R >= (1 if shared_by_all else 2)
     key = (paths[0].adapter if paths else None, min_shared_tokens, can_share)
-    above = anchors.get(key) if anchors is not None else None
-    table, fell_back = None, False
-    if above is not None:
-        table = SegmentTable.of(paths, stop=above[0])
-        if table.off_stop:  # (not on every path any more: walked again from the root)
-            table, fell_back = None, True
-    if table is None:
-        table = SegmentTable.of(paths)
+    table, above, fell_back = _table(paths, anchors, key)
     top = table.common()
     chains = table.chains(below=top)  # (the segments on every path are handled below, at once)
-    S = len(table.lengths)
-    lengths = np.array(table.lengths, dtype=np.int64)
-    # -- on every path: long runs read in place, one by one; the rest as one segment ----------
-    base = above if not fell_back else None
+    alone, joined = _on_every_path(table, top, above, fell_back, anchors, key,
+                                   min_shared_tokens if can_share else None)
+    everyone = list(range(R))
+    shared = [(seg, everyone) for seg in alone]
+    if joined is not None and can_share and len(joined) >= min_shared_tokens:
+        shared.append((joined, everyone))
+        joined = None
+    return shared, _below(table, chains, shared, joined, min_shared_tokens, shared_by_all)
+
+
+def _table(paths: list, anchors: Anchors | None, key) -> tuple:
+    """``(table, anchor, fell_back)``: the paths' :class:`SegmentTable`, walked below the
+    anchor of ``key`` when there is one on every path (``anchor`` its ``(node, alone,
+    joined)``), else from the root (``fell_back`` when an anchor was tried: the paths left it)."""
+    above = anchors.get(key) if anchors is not None else None
+    if above is not None:
+        table = SegmentTable.of(paths, stop=above[0])
+        if not table.off_stop:
+            return table, above, False
+    return SegmentTable.of(paths), above, above is not None
+
+
+def _on_every_path(table: SegmentTable, top: int, above, fell_back: bool, anchors, key,
+                   min_alone: int | None) -> tuple[list, np.ndarray | None]:
+    """``(alone, joined)``: the segments on every path (the anchor's, then the table's from its
+    first walk's top down to entry ``top``), those of at least ``min_alone`` tokens that are
+    one run of slots alone (root side first; none when ``min_alone`` is None), the others
+    joined into one array (None for none). Notes the next anchor in ``anchors``."""
+    base = None if fell_back else above
     alone = list(base[1]) if base else []
     joined = [base[2]] if base and base[2] is not None else []
     mark = -1  # the entry the next anchor is (its segments above are noted when passed)
     if anchors is not None and top >= 0:
         if base is None:  # a first walk, or the paths left the anchor's subtree
-            mark = _meeting(table, top, above[0]) if fell_back else top
+            mark = meeting(table, top, above[0]) if fell_back else top
         elif table.first_walk - top >= ANCHOR_STEP:
             mark = top
     noted = None
-    if top >= 0:
-        for e in range(table.first_walk - 1, top - 1, -1):  # root side first
-            seg = table.slots[e]
-            if can_share and len(seg) >= min_shared_tokens and run_start(seg) >= 0:
-                alone.append(seg)
-            else:
-                joined.append(seg)
-            if e == mark:
-                noted = (tuple(alone), _joined(joined))
+    for e in range(table.first_walk - 1, top - 1, -1) if top >= 0 else ():  # root side first
+        seg = table.slots[e]
+        if min_alone is not None and len(seg) >= min_alone and run_start(seg) >= 0:
+            alone.append(seg)
+        else:
+            joined.append(seg)
+        if e == mark:
+            noted = (tuple(alone), _joined(joined))
     if noted is not None and table.nodes[mark] is not None:
         anchors.put(key, table.nodes[mark], *noted)
     elif fell_back:
         anchors.discard(key)
-    joined = _joined(joined)
-    everyone = list(range(R))
-    shared = [(seg, everyone) for seg in alone]
-    merged = joined
-    if merged is not None and can_share and len(merged) >= min_shared_tokens:
-        shared.append((merged, everyone))
-        merged = None
-    # -- below: used by >= 2 paths (or all) and long enough; root side first (by end) ---------
+    return alone, _joined(joined)
+
+
+def _below(table: SegmentTable, chains: np.ndarray, shared: list, joined,
+           min_shared_tokens: int, shared_by_all: bool) -> PrivatePasts:
+    """The segments below the common part: each used by >= 2 paths (all, with
+    ``shared_by_all``) and long enough is appended to ``shared`` (root side first, by end);
+    the others, with ``joined`` (what is on every path and not shared) first in every chain,
+    are the :class:`PrivatePasts`."""
+    R, S = len(chains), len(table.lengths)
+    lengths = np.array(table.lengths, dtype=np.int64)
     count = np.bincount(chains[chains >= 0], minlength=S)
     enough = count == R if shared_by_all else count >= 2
     is_shared = enough & (lengths >= min_shared_tokens)
-    is_private = count > 0
+    is_private = count > 0  # (the common entries are on no chain: they are counted 0)
     if is_shared.any():
         shared_at = np.flatnonzero(is_shared)
         shared_at = shared_at[np.argsort(np.array(table.ends)[shared_at], kind="stable")]
@@ -363,35 +334,20 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
             shared.append((table.slots[e], np.flatnonzero((chains == e).any(axis=1)).tolist()))
         is_private &= ~is_shared
     private_at = np.flatnonzero(is_private)
-    # -- private: the other segments, renumbered (a shared one leaves a -1 hole in a chain);
-    # what is on every path and not shared is one more segment, first in every chain ----------
-    first = 0 if merged is None else 1
+    # renumbered (a shared segment leaves a -1 hole in a chain); ``joined`` is entry 0
+    first = 0 if joined is None else 1
     renumber = np.full(S + 1, -1, dtype=np.int64)  # (the last entry: -1 stays -1)
     renumber[private_at] = np.arange(first, first + len(private_at))
     segs = [table.slots[e] for e in private_at.tolist()]
-    private_chains = renumber[chains]
-    private_lengths = lengths[private_at]
-    if merged is not None:
-        segs.insert(0, merged)
-        private_lengths = np.concatenate([[len(merged)], private_lengths])
+    private_chains, private_lengths = renumber[chains], lengths[private_at]
+    if joined is not None:
+        segs.insert(0, joined)
+        private_lengths = np.concatenate([[len(joined)], private_lengths])
         private_chains = np.concatenate([np.zeros((R, 1), dtype=np.int64), private_chains],
                                         axis=1)
-    return shared, PrivatePasts(segs, private_lengths, private_chains)
+    return PrivatePasts(segs, private_lengths, private_chains)
 
 
 def _joined(segs: list):
     """``segs`` as one array of slots (None for none)."""
     return None if not segs else segs[0] if len(segs) == 1 else np.concatenate(segs)
-
-
-def _meeting(table: SegmentTable, top: int, node) -> int:
-    """The entry of ``table`` on every path (``top .. first_walk - 1``) that is ``node`` or its
-    deepest ancestor, or -1: where an anchor the paths left meets them again."""
-    on = {id(table.nodes[e]): e for e in range(top, table.first_walk)
-          if table.nodes[e] is not None}
-    while node is not None and node.parent is not None:
-        e = on.get(id(node))
-        if e is not None:
-            return e
-        node = node.parent
-    return -1
