@@ -89,3 +89,24 @@ def test_cell_rows_match_an_uncached_forward(bench, tiny):
     assert pq["queries"] == 4
     for row, ref in zip(rows, bench.reference_rows(model, contexts)):
         assert torch.allclose(row, ref, atol=1e-5, rtol=0)
+
+
+def test_long_run_reports_every_step(bench, tiny):
+    """``benchmarks/bench_long_run.py``'s run: one forward per step, every step's KV bytes read
+    counted, the host part of each step's wall time non-negative."""
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))  # (it imports bench_host by name)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_long_run",
+                                                      BENCH.parent / "bench_long_run.py")
+        long_run = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(long_run)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    model, tok = tiny
+    r = asyncio.run(long_run.run(model, tok, 8, 100, 12, 3, 0))
+    assert len(r["wall"]) == len(r["host"]) == len(r["read"]) == 12
+    assert r["info"]["forwards"] == 13  # the prefill, then one forward per step
+    assert all(b > 0 for b in r["read"])
+    assert all(0 <= h <= w for h, w in zip(r["host"], r["wall"]))
