@@ -327,6 +327,21 @@ async def asyncio_floor(n: int, steps: int) -> float:
     return spent * 1e6 / (n * steps)
 
 
+def smc_advance(parts: list[list[int]], rows, *, resample: bool, gen) -> list[list[int]]:
+    """The trace's sampler between two steps: each particle samples its next token from its row
+    (``gen``, seeded) and, when ``resample``, the particles are resampled (multinomial on the
+    sampled tokens' log-probs, with replacement). Returns the new contexts (new lists)."""
+    lps = torch.stack(rows)
+    nxt = torch.multinomial(lps.exp(), 1, generator=gen)[:, 0]
+    logw = lps.gather(1, nxt[:, None])[:, 0]
+    parts = [p + [int(t)] for p, t in zip(parts, nxt)]
+    if resample:
+        idx = torch.multinomial(torch.softmax(logw, 0), len(parts), replacement=True,
+                                generator=gen)
+        parts = [parts[i] for i in idx.tolist()]
+    return parts
+
+
 async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
                    resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None,
                    caller_gc_inside: bool = False) -> dict:
@@ -356,14 +371,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
                                 abs(float(torch.logsumexp(r.double(), 0))) < 1e-4)
             if step == warmup + steps:
                 break
-            lps = torch.stack(rows)
-            nxt = torch.multinomial(lps.exp(), 1, generator=gen)[:, 0]
-            logw = lps.gather(1, nxt[:, None])[:, 0]
-            parts = [p + [int(t)] for p, t in zip(parts, nxt)]
-            if (step + 1) % resample == 0:
-                idx = torch.multinomial(torch.softmax(logw, 0), n, replacement=True,
-                                        generator=gen)
-                parts = [parts[i] for i in idx.tolist()]
+            parts = smc_advance(parts, rows, resample=(step + 1) % resample == 0, gen=gen)
             if step >= warmup and not caller_gc_inside:  # the caller's new lists (see ctx-gc/q)
                 t0 = time.perf_counter()
                 gc.collect(1)

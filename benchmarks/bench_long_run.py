@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench_host import load, text_ids
+from bench_host import load, smc_advance, text_ids
 
 
 async def run(model, tok, n: int, context: int, steps: int, resample: int, seed: int) -> dict:
@@ -49,14 +49,7 @@ async def run(model, tok, n: int, context: int, steps: int, resample: int, seed:
                 out["wall"].append(wall)
                 out["host"].append(wall - sum(forward))
                 out["read"].append(lm.cache_info()["kv_bytes_read"] - read0)
-            lps = torch.stack(rows)
-            nxt = torch.multinomial(lps.exp(), 1, generator=gen)[:, 0]
-            logw = lps.gather(1, nxt[:, None])[:, 0]
-            parts = [p + [int(t)] for p, t in zip(parts, nxt)]
-            if (step + 1) % resample == 0:
-                idx = torch.multinomial(torch.softmax(logw, 0), n, replacement=True,
-                                        generator=gen)
-                parts = [parts[i] for i in idx.tolist()]
+            parts = smc_advance(parts, rows, resample=(step + 1) % resample == 0, gen=gen)
             gc.collect(1)  # (the caller's new lists, between steps: see bench_host's ctx-gc)
         out["info"] = lm.cache_info()
     finally:
