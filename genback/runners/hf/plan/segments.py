@@ -107,7 +107,8 @@ class SegmentTable:
         parents: each segment's parent segment in the table, -1 at the root.
         last: each path's last segment, -1 for a path with nothing cached.
         first_walk: how many entries the first walk added (entries ``0 .. first_walk - 1``: a
-            path's chain from its last segment up to the root, child first).
+            path's chain from its last segment up to the root, or to the ``stop`` of
+            :meth:`of`, child first).
         joins: per entry, the deepest entry of that first chain on its path (itself on the first
             chain; -1 when its path meets the first chain nowhere): where the walk that added it
             joined the first chain, directly or through an earlier walk. The deepest segment
