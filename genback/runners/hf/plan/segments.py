@@ -308,12 +308,15 @@ def _on_every_path(table: SegmentTable, top: int, above, fell_back: bool, anchor
         else:
             joined.append(seg)
         if e == mark:
-            noted = (tuple(alone), _joined(joined))
+            noted = (tuple(alone), len(joined))
+    whole = _joined(joined)
     if noted is not None and table.nodes[mark] is not None:
-        anchors.put(key, table.nodes[mark], *noted)
+        then, n = noted  # (the anchor's joined segment: all of it when the anchor is ``top``)
+        anchors.put(key, table.nodes[mark], then, whole if n == len(joined)
+                    else _joined(joined[:n]))
     elif fell_back:
         anchors.discard(key)
-    return alone, _joined(joined)
+    return alone, whole
 
 
 def _below(table: SegmentTable, chains: np.ndarray, shared: list, joined,
