@@ -72,7 +72,7 @@ def test_a_split_run_keeps_its_chunks_and_tries_the_whole_every_refresh(tiny_hf,
     quarters at once (4 layouts, from the last step's chunks: lane steps counted) until
     REFRESH steps have passed, when the whole is tried again; every row stays exact."""
     from genback.runners.hf.decode import step as decode_step
-    from genback.runners.hf.decode.lanes import REFRESH
+    from genback.runners.hf.plan.lanes import REFRESH
 
     monkeypatch.setattr(decode_step, "MAX_TABLE_SLOTS", 256)
     calls = []

@@ -258,7 +258,7 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
     row without padding) are the tree's slots of its cached context plus its new slot, checked
     against a walk of the tree at every step; rows equal an uncached forward."""
     from genback.runners.hf.decode import step as decode_step
-    from genback.runners.hf.decode.lanes import REFRESH
+    from genback.runners.hf.plan.lanes import REFRESH
     from genback.runners.hf.cache.nodes import prefix_segments
 
     checked = []

@@ -33,7 +33,7 @@ from ...runner import Capabilities, check_pin_budget
 from .cache.kv_pool import CachedNode, KVPool
 from .cache.kvtree import KVTree
 from .cache.picture import draw
-from .decode.step import DecodeStep, is_uniform
+from .decode.step import DecodeStep
 from .forward import attention as tree_attention
 from .forward.base import ForwardOut
 from .forward.dense import DenseForward
@@ -42,7 +42,8 @@ from .forward.tree_cache import returned_cache
 from .lora import LoraAdapters
 from .memory import trim_host_memory
 from .options import attention_kind, check_device, check_options
-from .plan.batch import Output, Path, group_paths, plan_batch, plan_step, query_path
+from .plan.batch import (Output, Path, group_paths, is_uniform, plan_batch, plan_step,
+                         query_path)
 from .plan.budget import ForwardBudget
 
 
@@ -228,6 +229,7 @@ class HFRunner:
             "kv_pool_bytes": self.pool.nbytes,
             "kv_pool_slots_used": self.pool.in_use,
             "attention": self.attention,
+            "tree_lane_steps": self.forward.lane_steps if self.use_tree else 0,
             **(self.decode_step.stats() if self.decode_step is not None else {}),
         }
 
@@ -368,10 +370,11 @@ class HFRunner:
         (:meth:`.decode.step.DecodeStep.run`), anything else through the tree (or dense)
         forward."""
         out = None
-        if self.decode_step is not None and not self.lora.loaded and (uniform or is_uniform(group)):
+        uniform = uniform or is_uniform(group)
+        if self.decode_step is not None and not self.lora.loaded and uniform:
             out = self.decode_step.run(group)
-        if out is None:
-            out = self.forward.run(group)
+        if out is None:  # (a uniform step may be laid out from the last one's rows)
+            out = self.forward.run(group, uniform)
         n_new = [r.n_new for r in group]
         self.forwards += out.forwards
         self.tokens_forwarded += sum(n_new)

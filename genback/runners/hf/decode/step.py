@@ -60,10 +60,10 @@ from ..forward import attention as tree_attention
 from ..forward.base import ForwardOut
 from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache, cache_argument
+from ..plan.lanes import REFRESH, Lanes
 from ..plan.segments import split_segments
 from .cascade import DecodeBuffers, StepLayout, decode_attention
 from .graphs import StepGraphs
-from .lanes import REFRESH, Lanes
 
 NAME = "genback_decode"
 
@@ -94,19 +94,6 @@ def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
     width to a power of two of at least :data:`MIN_WIDTH`, the prefix to a multiple of 256 (0
     stays 0)."""
     return _pow2(rows), max(MIN_WIDTH, _pow2(width)), -(-prefix // 256) * 256
-
-
-def is_uniform(group) -> bool:
-    """Whether planned paths ``group`` are a uniform decode step: each path forwards one token
-    after a cached context and answers one query at its end
-    (:attr:`genback.query.Query.at_end`: a next-token row or a decoding step)."""
-    for p in group:
-        if p.n_new != 1 or p.cached == 0 or len(p.outputs) != 1:
-            return False
-        o = p.outputs[0]
-        if o.end != len(p.tokens) or not o.query.at_end:
-            return False
-    return True
 
 
 @dataclass(slots=True)
@@ -177,7 +164,7 @@ class DecodeStep:
         self._lanes = []
 
     def run(self, group) -> ForwardOut | None:
-        """Run the uniform step ``group`` (paths, :func:`is_uniform`) as one forward or a few
+        """Run the uniform step ``group`` (paths, :func:`..plan.batch.is_uniform`) as one forward or a few
         over chunks of its rows (:meth:`layouts`); None, with nothing taken from the pool, when
         it does not fit: then the tree path runs it. Each chunk's rows are read before the next
         chunk runs (the logits live in the bucket's static buffer); if a chunk fails, every
@@ -323,4 +310,4 @@ class DecodeStep:
             buf.logits.copy_(out.logits[:, -1])
 
 
-__all__ = ["Chunk", "DecodeStep", "bucket", "is_uniform"]
+__all__ = ["Chunk", "DecodeStep", "bucket"]

@@ -21,9 +21,10 @@ class DenseForward:
     def __init__(self, model, pool: KVPool, *, pad_id: int, row_device: torch.device):
         self.model, self.pool, self.pad_id, self.row_device = model, pool, pad_id, row_device
 
-    def run(self, paths: list[Path]) -> ForwardOut:
+    def run(self, paths: list[Path], uniform: bool = False) -> ForwardOut:
         """Forward ``paths`` over their gathered pasts (:class:`.base.ForwardOut`; the new slots
-        are freed again if the forward fails)."""
+        are freed again if the forward fails). ``uniform`` (a uniform decode step) changes
+        nothing here: every forward gathers its pasts from the tree."""
         pool = self.pool
         input_ids, positions, n_new = model_inputs(paths, self.pad_id)
         R, m = input_ids.shape

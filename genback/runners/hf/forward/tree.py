@@ -1,7 +1,14 @@
 """The tree forward: a group of paths through the model with tree attention (:mod:`.attention`):
 shared segments are read in place once for all paths below them; each path's private past is
 gathered layer by layer from the runner's :class:`~..cache.kv_pool.KVPool`; the new tokens'
-KV is written to fresh pool slots."""
+KV is written to fresh pool slots.
+
+A uniform decode step whose every path extends a row of the last step
+(:class:`..plan.lanes.Lanes`: an SMC or decoding step after the one before) is laid out from
+the last step's rows (its private rows plus a column of new slots, its shared segments with
+their rows renumbered) instead of from the tree's segments
+(:func:`..plan.segments.split_segments`); a full layout every :data:`..plan.lanes.REFRESH`
+steps and after any slot was freed."""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import torch
 from ..cache.kv_pool import KVPool, run_start
 from ..plan.batch import Path
 from ..plan.anchors import Anchors
+from ..plan.lanes import Lanes
 from ..plan.segments import split_segments
 from . import attention
 from .base import ForwardOut, as_long, model_inputs, new_slots, split_new_slots
@@ -37,17 +45,29 @@ class TreeForward:
         self.model, self.pool, self.pad_id = model, pool, pad_id
         self.min_shared_tokens, self.row_device = min_shared_tokens, row_device
         self.anchors = Anchors()  # (where the last forward's paths all met: see split_segments)
+        self.lanes: Lanes | None = None  # the last uniform step's rows (see the module's doc)
+        self.lane_steps = 0  # forwards laid out from the last step's rows
 
-    def run(self, paths: list[Path]) -> ForwardOut:
+    def run(self, paths: list[Path], uniform: bool = False) -> ForwardOut:
         """Forward ``paths`` with tree attention (:class:`.base.ForwardOut`; the new slots are
-        freed again if the forward fails)."""
+        freed again if the forward fails). ``uniform``: the paths are a uniform decode step
+        (:func:`..plan.batch.is_uniform`), which may be laid out from the last one's rows."""
         pool = self.pool
         input_ids, positions, n_new = model_inputs(paths, self.pad_id)
         R, m = input_ids.shape
-        shared, private = split_segments(paths, self.min_shared_tokens, anchors=self.anchors)
+        last, self.lanes = self.lanes, None  # (dropped: a failed forward leaves none)
+        rows = last.rows(paths, pool.frees) if uniform and last is not None else None
+        if rows is None:
+            shared, private = split_segments(paths, self.min_shared_tokens, anchors=self.anchors)
         slots = new_slots(pool, n_new, m)
         try:
-            layout, pads = private.layout(slots)
+            if rows is None:
+                layout, pads = private.layout(slots)
+            else:
+                past, pads = last.gather(rows)
+                layout, shared = np.concatenate([past, slots], axis=1), _renumber(
+                    last.prefix, rows, len(last.pads))
+                self.lane_steps += 1
             batch = _tree_batch(pool, shared, layout, pads, slots, R, m)
             with attention.active(batch), attention.use_tree_attention(self.model.config):
                 _, logits = run_model(self.model, input_ids, positions, output_spans(paths),
@@ -55,9 +75,30 @@ class TreeForward:
         except BaseException:
             pool.free(slots[slots > 0])
             raise
+        if uniform:
+            self.lanes = Lanes(paths, layout, pads, shared, pool.frees,
+                               0 if rows is None else last.age + 1)
         read = pool.token_bytes * (sum(len(s) for s, _ in shared) + R * batch.P)
         return ForwardOut(outputs(paths, logits, self.row_device), split_new_slots(n_new, slots),
                           read)
+
+
+def _renumber(shared: list, rows: np.ndarray, last_rows: int) -> list:
+    """The last step's ``shared`` segments ``(slots, row indices)`` (of ``last_rows`` rows) for a
+    step whose row ``i`` extends the last step's row ``rows[i]``: a segment every last row read
+    is read by every row; another by the rows that extend one of its rows (dropped when none
+    does)."""
+    R = len(rows)
+    everyone = list(range(R))
+    out = []
+    for seg, idx in shared:
+        if len(idx) == last_rows:
+            out.append((seg, everyone))
+            continue
+        mine = np.flatnonzero(np.isin(rows, idx))
+        if len(mine):
+            out.append((seg, everyone if len(mine) == R else mine.tolist()))
+    return out
 
 
 def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int

@@ -147,6 +147,19 @@ def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
     return paths
 
 
+def is_uniform(group) -> bool:
+    """Whether planned paths ``group`` are a uniform decode step: each path forwards one token
+    after a cached context and answers one query at its end
+    (:attr:`genback.query.Query.at_end`: a next-token row or a decoding step)."""
+    for p in group:
+        if p.n_new != 1 or p.cached == 0 or len(p.outputs) != 1:
+            return False
+        o = p.outputs[0]
+        if o.end != len(p.tokens) or not o.query.at_end:
+            return False
+    return True
+
+
 def plan_batch(queries: list[Query], match: Callable, min_gain: int = 2) -> list[list[Path]]:
     """Plan distinct queries of one adapter as levels of paths (each level one or more forwards).
 

@@ -1,15 +1,17 @@
-"""``Lanes``: a decode step's rows of pool slots, kept so that the next step's layout is a gather.
+"""``Lanes``: a forward's rows of pool slots, kept so that the next decode step's layout is a
+gather.
 
-A uniform decode step (:mod:`.step`) lays each row's private past out as a row of pool
-slots (left-padded with the dummy slot 0, the slot of its new token last) after a prefix that
-every row shares (level 0 of the cascade). The next SMC or decoding step asks for each of those
-contexts plus one token, so its row is the same row plus one slot. Listing the tree's segments
-of every path again (:func:`..plan.segments.split_segments`: a walk up from each holder, the union's
-columns, the chains, the expansion) costs ~2.6 µs per row at 256 rows on this project's CPU
-(``bench_host.py --decode eager``, measured); instead a step keeps its table, and which row
-each context has by the identity of the context object (as :class:`..cache.ends.Ends` does), and the
-next step's table is ``table[rows]`` plus a column: one dictionary look-up per row, the rest
-NumPy.
+A forward of one new token per row (the decode step, :mod:`..decode.step`, or the tree forward,
+:mod:`..forward.tree`) lays each row's private past out as a row of pool slots (left-padded
+with the dummy slot 0, the slot of its new token last) after what the rows read in place (level
+0 of the decode step's cascade; the tree forward's shared segments). The next SMC or decoding
+step asks for each of those contexts plus one token, so its row is the same row plus one slot.
+Listing the tree's segments of every path again (:func:`.segments.split_segments`: a walk up
+from each holder, the union's columns, the chains, the expansion) costs ~2.6 µs per row at 256
+rows on this project's CPU (``bench_host.py --decode eager``, measured); instead a step keeps its
+table, and which row each context has by the identity of the context object (as
+:class:`..cache.ends.Ends` does), and the next step's table is ``table[rows]`` plus a column:
+one dictionary look-up per row, the rest NumPy.
 
 When a step's rows are still right: the slots of a cached context's KV never change while it is
 cached (splits and merges of tree nodes join or split index arrays; KV never moves), so a row is
@@ -32,31 +34,36 @@ REFRESH = 16
 
 
 class Lanes:
-    """One decode step's table, for the next step's :meth:`rows` and :meth:`gather`.
+    """One step's table, for the next step's :meth:`rows` and :meth:`gather`.
 
     Args:
-        paths: the step's paths (one output each; ``tokens`` the answered query's context).
+        paths: the step's paths (one new token each, of one adapter; ``tokens`` the answered
+            query's context).
         table: ``int64 [R, W]``: each row's private past's pool slots, left-padded with slot 0,
             the row's new slot last.
         pads: ``int64 [R]``: each row's padding columns.
-        prefix: ``int64 [P]``: the slots every row reads first (level 0).
+        prefix: what every row reads before its row, as the forward that made the table keeps
+            it (the decode step: level 0's slots ``int64 [P]``; the tree forward: its shared
+            segments).
         frees: the pool's ``frees`` (:class:`..cache.kv_pool.KVPool`) when the table was made.
         age: steps laid out from lanes since the last full layout (0 for a full layout's).
     """
 
-    __slots__ = ("keys", "table", "pads", "prefix", "frees", "age")
+    __slots__ = ("keys", "adapter", "table", "pads", "prefix", "frees", "age")
 
-    def __init__(self, paths, table: np.ndarray, pads: np.ndarray, prefix: np.ndarray,
-                 frees: int, age: int):
+    def __init__(self, paths, table: np.ndarray, pads: np.ndarray, prefix, frees: int, age: int):
         self.keys = {id(p.tokens): (p.tokens, i) for i, p in enumerate(paths)}
+        self.adapter = paths[0].adapter if paths else None
         self.table, self.pads, self.prefix = table, pads, prefix
         self.frees, self.age = frees, age
 
     def rows(self, group, frees: int) -> np.ndarray | None:
         """``int64 [len(group)]``: the row of each path's parent context (its query's
         ``parent``, this very object) in this step's table; None when one has none, when the
-        pool freed slots since (``frees`` differs) or when a full layout is due."""
-        if frees != self.frees or self.age >= REFRESH:
+        group is of another adapter, when the pool freed slots since (``frees`` differs) or
+        when a full layout is due."""
+        if frees != self.frees or self.age >= REFRESH or not group \
+                or group[0].adapter != self.adapter:
             return None
         keys = self.keys
         out = []
