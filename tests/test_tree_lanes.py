@@ -1,0 +1,139 @@
+"""The tree path's uniform steps laid out from the last step's rows (genback.runners.hf.plan.lanes
+in genback.runners.hf.forward.tree): every row's slots are its cached context's slots in the
+tree plus its new slot, checked at every step against a walk of the tree; rows equal an uncached
+forward; counted steps; a freed slot or another adapter retires the rows."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from genback.llm import AsyncTransformer
+from genback.query import NextToken
+from genback.runners.hf.cache.nodes import prefix_segments
+from genback.runners.hf.forward import tree as tree_forward
+from genback.runners.hf.plan.batch import Output, Path
+from genback.runners.hf.plan.lanes import REFRESH, Lanes
+
+from test_decode_step import _run_trace
+from test_llm_tree import _smc_trace
+
+
+def _spy_on_layouts(monkeypatch) -> list:
+    """Check, at every tree forward of one new token per path, that each row reads exactly its
+    cached context's slots (the shared segments it is listed under, then its row without
+    padding; attention is indifferent to their order) plus its new slot. Returns the list of
+    forwards checked (rows each)."""
+    checked = []
+    run, tree_batch = tree_forward.TreeForward.run, tree_forward._tree_batch
+    current = {}
+
+    def spy_run(self, paths, uniform=False):
+        current["paths"] = paths
+        return run(self, paths, uniform)
+
+    def spy_batch(pool, shared, layout, pads, slots, R, m):
+        paths = current["paths"]
+        if m == 1:
+            for i, p in enumerate(paths):
+                tree = [s for _, _, s in prefix_segments(p.holder, p.cached)]
+                want = np.sort(np.concatenate(tree + [slots[i]]))
+                mine = [s for s, idx in shared if i in set(idx)]
+                got = np.sort(np.concatenate(mine + [layout[i, pads[i]:]]))
+                assert np.array_equal(got, want)
+            checked.append(R)
+        return tree_batch(pool, shared, layout, pads, slots, R, m)
+
+    monkeypatch.setattr(tree_forward.TreeForward, "run", spy_run)
+    monkeypatch.setattr(tree_forward, "_tree_batch", spy_batch)
+    return checked
+
+
+def test_tree_steps_from_the_last_steps_rows_read_the_trees_slots(tiny_hf, gpt2_tok,
+                                                                  monkeypatch):
+    """SMC with resampling over more steps than a lane table lives, on the tree path (the CPU's
+    default): each step after a full layout is the last step's rows plus a column (counted:
+    all but one in every REFRESH + 1), every row reads its context's slots, and rows equal an
+    uncached forward."""
+    checked = _spy_on_layouts(monkeypatch)
+    trace = _smc_trace(random.Random(11), 80, 16, 2 * REFRESH + 5, 3, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    try:
+        assert lm.runner.decode_step is None  # (the tree path)
+        lm.cache_kv(trace[0][0][:-1])
+        assert _run_trace(lm, trace, {}) <= 1e-5
+        info = lm.cache_info()
+        assert len(checked) == len(trace) and info["forwards"] == len(trace) + 1
+        full = len(trace) - info["tree_lane_steps"]
+        assert full == -(-len(trace) // (REFRESH + 1))
+    finally:
+        lm.close()
+
+
+def test_segments_shared_by_some_rows_follow_their_rows(tiny_hf, gpt2_tok, monkeypatch):
+    """Particles over two prompts (each read in place by its own rows, min_shared_tokens=8),
+    resampled across both: a step from lanes lists each shared segment under the rows that
+    extend one of its rows, and rows equal an uncached forward."""
+    checked = _spy_on_layouts(monkeypatch)
+    rng = random.Random(4)
+    prompts = [[100 + rng.randrange(50) for _ in range(40)] for _ in range(2)]
+    parts = [list(prompts[i % 2]) for i in range(8)]
+    trace = []
+    for step in range(12):
+        if step and step % 4 == 0:  # resampling: the prompts' shares of rows change
+            parts = [list(parts[rng.choice([0, 2, 4, 1])]) for _ in range(8)]
+        for p in parts:
+            p.append(100 + rng.randrange(50))
+        trace.append([list(p) for p in parts])
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          min_shared_tokens=8)
+    try:
+        lm.batch_next_token_logprobs_sync([p[:-1] for p in trace[0]])
+        assert _run_trace(lm, trace, {}) <= 1e-5
+        assert lm.cache_info()["tree_lane_steps"] >= len(trace) - 2 and len(checked) >= 12
+    finally:
+        lm.close()
+
+
+def test_a_freed_slot_retires_the_tree_paths_rows(tiny_hf, gpt2_tok):
+    """Any slot freed between two steps (the cache cleared and the contexts computed again,
+    into other slots) makes the next step lay its rows out from the tree again."""
+    trace = _smc_trace(random.Random(5), 30, 6, 4, 2, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    try:
+        lm.cache_kv(trace[0][0][:-1])
+        assert _run_trace(lm, trace[:2], {}) <= 1e-5
+        lanes = lm.cache_info()["tree_lane_steps"]
+        assert lanes == 1
+        lm.clear_kv_cache()
+        lm.batch_next_token_logprobs_sync(trace[1])  # (the last step's contexts, recomputed)
+        assert _run_trace(lm, trace[2:3], {}) <= 1e-5
+        assert lm.cache_info()["tree_lane_steps"] == lanes  # laid out from the tree
+        assert _run_trace(lm, trace[3:], {}) <= 1e-5
+        assert lm.cache_info()["tree_lane_steps"] == lanes + 1  # ... and from lanes again
+    finally:
+        lm.close()
+
+
+def test_rows_of_another_adapter_or_a_stale_pool_are_not_reused():
+    """``Lanes.rows``: each path's row by its parent context's identity; None for a group of
+    another adapter, after the pool freed slots, once a full layout is due, or for a parent
+    that was not a row (an equal context that is another object included)."""
+    parents = [(1, 2, 3), (1, 2, 4)]
+    paths = [Path(c, None, 2, [Output(0, NextToken(c), 3)]) for c in parents]
+    lanes = Lanes(paths, np.array([[7, 8], [7, 9]]), np.zeros(2, dtype=np.int64), [], 5, 0)
+
+    def step(parents_, adapter=None):
+        out = []
+        for c in parents_:
+            q = NextToken(c + (0,), adapter, parent=c)
+            out.append(Path(q.context, adapter, len(c), [Output(0, q, len(c) + 1)]))
+        return out
+
+    assert lanes.rows(step([parents[1], parents[0], parents[1]]), 5).tolist() == [1, 0, 1]
+    assert lanes.rows(step(parents, adapter=3), 5) is None
+    assert lanes.rows(step(parents), 6) is None
+    assert lanes.rows(step([tuple(parents[0])[:2] + (3,)]), 5) is None  # equal, not the object
+    old = Lanes(paths, lanes.table, lanes.pads, [], 5, REFRESH)
+    assert old.rows(step(parents), 5) is None
