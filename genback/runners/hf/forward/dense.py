@@ -33,7 +33,8 @@ class DenseForward:
         slots = new_slots(pool, n_new, m)
         try:
             out, logits = run_model(self.model, input_ids, positions, output_spans(paths), cache,
-                                    None if bool(mask.all()) else mask.to(pool.device))
+                                    None if bool(mask.all()) else mask.to(pool.device),
+                                    device=pool.device)
             values = outputs(paths, logits, self.row_device)
             _write_new_kv(pool, returned_cache(out).layers, slots, P)
         except BaseException:

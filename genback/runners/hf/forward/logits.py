@@ -30,31 +30,39 @@ def _flat_positions(spans, wanted: list[int]) -> list[int]:
     return [i * W + column[j] for i, a, b in spans for j in range(a, b)]
 
 
-def run_model(model, input_ids, positions, spans, cache, attention_mask=None):
+def run_model(model, input_ids, positions, spans, cache, attention_mask=None, device=None):
     """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`_flat_positions`).
 
     The language-model head runs only on those positions: a pre-hook on the output embeddings
     selects them from the hidden states ``[R, W, H]`` of the union of the paths' positions
     (``logits_to_keep``), so paths that need different positions pay for their own only.
+    ``spans`` None: one output at each path's last position (a uniform decode step), ``K = R``.
+    ``device``: the model's (None: ``model.device``, a walk of its parameters).
     """
-    dev = model.device if hasattr(model, "device") else input_ids.device
+    dev = device if device is not None else getattr(model, "device", input_ids.device)
     R, m = input_ids.shape
-    wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
-    positions_kept = _flat_positions(spans, wanted)
-    W = len(wanted)
-    # the last W positions of every path, each once, in order (a decode step: the one new token
-    # of each path): the head runs on exactly the kept grid, so no selection is needed and
-    # ``logits_to_keep`` is the count (transformers keeps the last ``W`` positions)
-    whole_grid = wanted[0] == m - W and positions_kept == list(range(R * W))
-    flat = None if whole_grid else as_long(positions_kept, dev)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if spans is None:
+        W, whole_grid = 1, True
+    else:
+        wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
+        positions_kept = _flat_positions(spans, wanted)
+        W = len(wanted)
+        # the last W positions of every path, each once, in order (a decode step: the one new
+        # token of each path): the head runs on exactly the kept grid, so no selection is
+        # needed and ``logits_to_keep`` is the count (transformers keeps the last ``W``)
+        whole_grid = wanted[0] == m - W and positions_kept == list(range(R * W))
+    flat = head = handle = None
+    if not whole_grid:
+        flat = as_long(positions_kept, dev)
+        head = (model.get_output_embeddings() if hasattr(model, "get_output_embeddings")
+                else None)
 
     def select(module, args):  # hidden [R, W, H] -> [1, K, H]
         hidden = args[0]
         return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)[None],) + args[1:]
 
-    handle = (head.register_forward_pre_hook(select)
-              if head is not None and flat is not None else None)
+    if head is not None:
+        handle = head.register_forward_pre_hook(select)
     try:
         with torch.inference_mode():
             out = model(

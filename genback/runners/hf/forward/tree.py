@@ -70,8 +70,9 @@ class TreeForward:
                 self.lane_steps += 1
             batch = _tree_batch(pool, shared, layout, pads, slots, R, m)
             with attention.active(batch), attention.use_tree_attention(self.model.config):
-                _, logits = run_model(self.model, input_ids, positions, output_spans(paths),
-                                      TreeCache(batch))
+                _, logits = run_model(self.model, input_ids, positions,
+                                      None if uniform else output_spans(paths),
+                                      TreeCache(batch), device=pool.device)
         except BaseException:
             pool.free(slots[slots > 0])
             raise
