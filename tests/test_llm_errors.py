@@ -289,11 +289,14 @@ def test_match_probes_do_not_reorder_the_lru():
     tree = KVTree(10_000)
     tree.insert((1, 2), 0, np.array([1, 2]))
     tree.insert((3, 4), 0, np.array([3, 4]))
-    order = list(tree._lru)
+    stamps = [n.stamp for n in tree._nodes]
     tree.match((1, 2), touch=False)
-    assert list(tree._lru) == order
+    assert [n.stamp for n in tree._nodes] == stamps
     tree.match((1, 2))
-    assert list(tree._lru) != order
+    assert [n.stamp for n in tree._nodes] != stamps
+    tree.budget_bytes = 2  # the probe left (3, 4) the least recent: evicted first
+    tree.evict()
+    assert tree.find((1, 2)) is not None and tree.find((3, 4)) is None
 
 
 def test_model_without_a_kv_cache_is_a_clear_type_error(gpt2_tok):

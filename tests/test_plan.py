@@ -268,11 +268,11 @@ def test_compacted_tree_keeps_every_path_exact(ops, seed):
             assert cached == len(p)
             assert torch.equal(got, kv_for(p, 0))
         assert tree.find(prompt) is not None and tree.find(prompt).pinned
-        for node in list(tree._lru):  # a merged-away node is gone from the tree and the LRU
+        for node in list(tree._nodes):  # a merged-away node is gone from the tree's nodes
             assert node.slots is not None and node.parent is not None
             assert len(node.slots) == len(node.edge)
-    assert sum(node.bytes for node in tree._lru) == tree.bytes_held
-    held = np.concatenate([node.slots for node in tree._lru])
+    assert sum(node.bytes for node in tree._nodes) == tree.bytes_held
+    held = np.concatenate([node.slots for node in tree._nodes])
     assert len(set(held.tolist())) == len(held) == pool.in_use and 0 not in held
 
 

@@ -152,24 +152,68 @@ def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_sh
         tree.release(p.holder)
 
 
-def test_touch_all_keeps_parents_more_recent_than_their_descendants():
-    pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")))
-    tree = KVTree(1 << 30, pool)
-    ends = []
-    for s in [(1, 2, 3), (1, 2, 4), (1, 5), (6,), (1, 2, 3, 7), (8, 9)]:
-        _, cached, holder = tree.match(s)
-        ends.append(tree.insert(s, cached, _slots(pool, s, cached), near=holder))
-    tree.touch_all([ends[3], ends[0], ends[4], ends[0]])
-    order = list(tree._lru)
-    assert len(order) == len(set(order)) == len(tree)
-    for node in order:
-        if node.parent is not None and node.parent.parent is not None:
-            assert order.index(node.parent) > order.index(node)
-    # the nodes touched (and their ancestors) are now the most recent
-    touched = {ends[3], ends[0], ends[4], ends[0].parent, ends[0].parent.parent}
-    assert ends[0].parent.edge == (2,) and ends[4].parent is ends[0]  # ((1, 5) split (1, 2))
-    assert set(order[-len(touched):]) == touched
-    assert order[0] in (ends[5], ends[1], ends[2])
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "touch", "match", "evict"]),
+                              st.lists(st.integers(1, 3), min_size=1, max_size=5),
+                              st.integers(0, 3)), min_size=1, max_size=40))
+def test_eviction_is_least_recently_used_with_ancestors_used_with_their_paths(ops):
+    """The tree's stamps (genback.runners.hf.cache.recency) against a brute-force record of
+    every use: a node's recency is the last use of its own path or of any path below it (a
+    use of a path uses its ancestors), and every node an ``evict`` removes is at most as recent
+    as every leaf it left (none held or pinned here)."""
+    tree = KVTree(1 << 30)  # (no pool: a token is a byte)
+    tick, uses, slot = 0, {}, [1]
+    path = {}  # node -> its tokens from the root, kept as the tree changes (splits)
+
+    def tokens_of(node):
+        out = ()
+        while node.parent is not None:
+            out = node.edge + out
+            node = node.parent
+        return out
+
+    def recency(node):
+        mine = tokens_of(node)
+        return max((t for p, t in uses.items() if p[:len(mine)] == mine), default=-1)
+
+    for op, seq, k in ops:
+        seq = tuple(seq)
+        if op == "insert":
+            _, cached, holder = tree.match(seq, touch=False)
+            if cached < len(seq):
+                n = len(seq) - cached
+                node = tree.insert(seq, cached, np.arange(slot[0], slot[0] + n), near=holder,
+                                   touch=False)
+                slot[0] += n
+                tick += 1
+                tree.touch_all([node])
+                uses[tokens_of(node)] = tick
+        elif op == "touch":  # one step's touch of a leaf or two, or of an inner node: one tick
+            leaves = [n for n in tree._nodes if not n.children]
+            inner = [n for n in tree._nodes if n.children]
+            nodes = ([leaves[k % len(leaves)]] if k < 2 else inner[:1] if k == 2 and inner
+                     else leaves[:2]) if leaves else []
+            tick += 1
+            tree.touch_all(nodes)
+            for node in nodes:
+                uses[tokens_of(node)] = tick
+        elif op == "match":
+            _, cached, holder = tree.match(seq)
+            if holder.parent is not None:
+                tick += 1
+                uses[tokens_of(holder)] = tick
+        else:
+            before = {node: recency(node) for node in tree._nodes}
+            tree.budget_bytes = max(1, tree.bytes_held - k - 1)
+            tree.evict()
+            assert tree.bytes_held <= tree.budget_bytes or not tree._nodes
+            gone = [n for n in before if n not in tree._nodes]
+            leaves = [n for n in tree._nodes if not n.children]
+            if gone and leaves:
+                assert max(before[n] for n in gone) <= min(before[n] for n in leaves)
+            tree.budget_bytes = 1 << 30
+    assert len(tree) == len(tree._nodes) and tree.bytes_held == sum(
+        n.bytes for n in tree._nodes)
 
 
 def test_the_worked_example_of_split_segments():

@@ -14,13 +14,13 @@ joins index arrays: KV never moves.
 
 Adapters. The same tokens under two LoRA adapters have different KV: each adapter (``None``
 for the base model) has its own root, so paths of different adapters never share a node. The
-byte budget and the LRU order are shared by all of them.
+byte budget and the recency order are shared by all of them.
 
 Invariants. A slot is owned by one node and never written after its forward (forwards write only
 the slots they took for their new tokens). Node ``bytes`` sum to ``bytes_held``; evicting a node
-returns its slots to the pool. The LRU order keeps every parent more recent than its
-descendants, so one scan from the oldest end meets leaves before their parents. Only leaves that
-are neither pinned (``pin``) nor referenced by a running forward (``acquire``) are evicted.
+returns its slots to the pool. Only leaves that are neither pinned (``pin``) nor referenced by a
+running forward (``acquire``) are evicted, least recently used first (by each node's stamp of
+its last use: :mod:`.recency`; using a node does not walk its ancestors).
 
 Not thread-safe: the owner serialises access with a lock.
 """
@@ -28,7 +28,6 @@ Not thread-safe: the owner serialises access with a lock.
 from __future__ import annotations
 
 import operator
-from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -38,10 +37,11 @@ from ....cpython import untrack_ids
 from .ends import Ends
 from .nodes import Node as _Node
 from .nodes import common_prefix_length, descend, prefix_segments
+from .recency import Candidates
 
 
 class KVTree:
-    """Radix tree of cached KV states with a byte budget and LRU eviction.
+    """Radix tree of cached KV states with a byte budget and least-recently-used eviction.
 
     Args:
         budget_bytes: most bytes of KV to hold (> 0). Exceeding it after an insertion evicts
@@ -63,7 +63,9 @@ class KVTree:
                             else pool.token_bytes if pool is not None else 1)
         self.root = _Node(None, (), None, 0)  # the base model's root (adapter None)
         self._roots: dict = {None: self.root}
-        self._lru: OrderedDict[_Node, None] = OrderedDict()
+        self._nodes: dict[_Node, None] = {}  # every node but the roots (insertion-ordered)
+        self._candidates = Candidates()  # the leaves, least recent first (see .recency)
+        self.clock = 0  # ticks of use: a node's ``stamp`` is the tick of its last use
         self.bytes_held = 0
         self.evictions = 0  # nodes evicted
         self.merges = 0  # nodes merged into their one child (compact)
@@ -72,7 +74,7 @@ class KVTree:
         self.ends = Ends()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._nodes)
 
     def root_of(self, adapter=None) -> _Node:
         """The root of ``adapter``'s tree (an empty stand-in when nothing is cached under it)."""
@@ -92,7 +94,7 @@ class KVTree:
 
         Args:
             touch: mark the matched path as recently used (False for probes that must not
-                reorder the LRU, e.g. planning and statistics).
+                change the recency order, e.g. planning and statistics).
             adapter: the adapter key whose tree is searched (None: the base model).
             parent: a tuple the caller knows to equal ``tokens[:len(parent)]`` (a query's
                 :attr:`~genback.query.Query.parent`). When it is the very object a recent call
@@ -139,8 +141,8 @@ class KVTree:
         duplicate tokens go back to the pool.
         ``near``: the holder ``match`` returned for ``tokens[:start]`` (held since): the walk
         starts there instead of comparing the whole cached prefix again from the root (still
-        right when an insertion meanwhile split that node's edge). ``touch=False``: leave the
-        LRU order to a later :meth:`touch_all`. Returns the node that ends at ``len(tokens)``;
+        right when an insertion meanwhile split that node's edge). ``touch=False``: leave its
+        stamp to a later :meth:`touch_all`. Returns the node that ends at ``len(tokens)``;
         call ``evict`` afterwards.
         """
         if type(tokens) is not tuple and type(tokens) is not Context:
@@ -167,6 +169,9 @@ class KVTree:
                 leaf = _Node(node, untrack_ids(tokens[pos:]), slots[pos - start:], len(tokens),
                              self.token_bytes)
                 node.children[tokens[pos]] = leaf
+                leaf.stamp = self.clock  # (used now; ``touch`` stamps it anew)
+                self._nodes[leaf] = None
+                self._candidates.push(leaf, self._nodes)
                 self.bytes_held += leaf.bytes
                 node = leaf
                 break
@@ -226,8 +231,8 @@ class KVTree:
         node.parent = upper
         upper.children[node.edge[0]] = node
         parent.children[upper.edge[0]] = upper
-        # keep the LRU invariant (parent more recent than descendants): place upper just after node
-        self._lru[upper] = None
+        upper.stamp = node.stamp  # (its recency: the last use of what lies below it)
+        self._nodes[upper] = None
         return upper
 
     def compact(self, node: _Node) -> _Node:
@@ -266,7 +271,8 @@ class KVTree:
         node.parent = up
         up.children[node.edge[0]] = node
         for n in taken:
-            del self._lru[n]
+            del self._nodes[n]
+            node.stamp = max(node.stamp, n.stamp)
             n.slots, n.children, n.parent = None, {}, None
         self.merges += len(taken)
         return node
@@ -284,7 +290,7 @@ class KVTree:
     def pinned_bytes(self) -> int:
         """Bytes held by pinned nodes and their ancestors (what eviction can never free)."""
         seen = set()
-        for node in self._lru:
+        for node in self._nodes:
             if node.pinned:
                 while node.parent is not None and node not in seen:
                     seen.add(node)
@@ -304,47 +310,44 @@ class KVTree:
         return node
 
     def touch_all(self, nodes) -> None:
-        """Mark ``nodes`` and their ancestors as recently used, each once: the work is per
-        distinct node of the union of their paths (not per node of each path), and the LRU
-        invariant holds (a parent moves after its descendants)."""
-        seen, order = set(), []
+        """Mark ``nodes`` (and so what lies above them, :mod:`.recency`) as used now: one tick,
+        one stamp per node; their ancestors are not walked."""
+        self.clock += 1
+        clock = self.clock
         for node in nodes:
-            while node is not None and node.parent is not None and node not in seen:
-                seen.add(node)
-                order.append(node)
-                node = node.parent
-        order.sort(key=_depth, reverse=True)
-        lru = self._lru
-        move = lru.move_to_end
-        for node in order:
-            if node.slots is not None:  # (not evicted or merged away meanwhile)
-                try:
-                    move(node)
-                except KeyError:  # inserted with touch=False: not in the LRU yet
-                    lru[node] = None
+            node.stamp = clock
 
     def _touch(self, node: _Node) -> None:
-        while node is not None and node.parent is not None:  # roots are not in the LRU
-            self._lru[node] = None
-            self._lru.move_to_end(node)
-            node = node.parent
+        self.clock += 1
+        node.stamp = self.clock
 
     def evict(self) -> int:
-        """Evict LRU unreferenced, unpinned leaves until within budget; return bytes freed."""
-        freed = 0
+        """Evict least recently used leaves that are neither held nor pinned until within
+        budget (a leaf's parent is a candidate once its last child is gone; see
+        :mod:`.recency`); return bytes freed."""
         if self.bytes_held <= self.budget_bytes:
             return 0
-        for node in list(self._lru):
-            if self.bytes_held <= self.budget_bytes:
+        freed, held = 0, []
+        while self.bytes_held > self.budget_bytes:
+            node = self._candidates.pop(self._nodes)
+            if node is None:
                 break
-            if node.children or node.refs or node.pinned:
-                continue
-            freed += self._remove(node)
+            if node.refs or node.pinned:
+                held.append(node)
+            else:
+                freed += self._remove(node)
+        for node in held:
+            self._candidates.push(node, self._nodes)
         return freed
 
     def _remove(self, node: _Node) -> int:
-        del node.parent.children[node.edge[0]]
-        del self._lru[node]
+        parent = node.parent
+        del parent.children[node.edge[0]]
+        del self._nodes[node]
+        if node.stamp > parent.stamp:  # (the parent's recency: the last use below it)
+            parent.stamp = node.stamp
+        if parent.parent is not None and not parent.children:  # a leaf now
+            self._candidates.push(parent, self._nodes)
         self.bytes_held -= node.bytes
         self.evictions += 1
         self._free(node.slots)
@@ -358,20 +361,21 @@ class KVTree:
             for root in self._roots.values():
                 root.children.clear()
             self._roots = {None: self.root}
-            for node in self._lru:
+            for node in self._nodes:
                 node.slots = None
-            self._lru.clear()
+            self._nodes.clear()
+            self._candidates.clear()
             self.bytes_held = 0
             if self.pool is not None:
                 self.pool.clear()
             return
         keep = set()
-        for node in self._lru:
+        for node in self._nodes:
             if node.pinned:
                 while node.parent is not None:
                     keep.add(node)
                     node = node.parent
-        for node in list(self._lru):  # leaves first, thanks to the LRU invariant
+        for node in sorted(self._nodes, key=_depth, reverse=True):  # (children first)
             if node not in keep and not node.children:
                 self._remove(node)
 
@@ -386,7 +390,7 @@ class KVTree:
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            del self._lru[node]
+            del self._nodes[node]
             self.bytes_held -= node.bytes
             freed += node.bytes
             self._free(node.slots)

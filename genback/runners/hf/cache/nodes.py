@@ -15,9 +15,11 @@ class Node:
     """One node of the tree: ``edge`` a tuple of token ids (``()`` for a root), ``slots`` the
     pool slots of exactly those tokens (``int64 [len(edge)]``; None for a root and once
     removed), ``depth`` the tokens from the root to the end of its edge, ``refs`` the forwards
-    holding it, ``pinned``, ``bytes`` of KV it holds."""
+    holding it, ``pinned``, ``bytes`` of KV it holds, ``stamp`` the tick of its last use (see
+    :mod:`.kvtree`, "Recency")."""
 
-    __slots__ = ("parent", "edge", "slots", "children", "refs", "pinned", "depth", "bytes")
+    __slots__ = ("parent", "edge", "slots", "children", "refs", "pinned", "depth", "bytes",
+                 "stamp")
 
     def __init__(self, parent, edge: tuple, slots, depth: int, token_bytes: int = 0):
         self.parent = parent
@@ -28,6 +30,7 @@ class Node:
         self.pinned = False
         self.depth = depth  # tokens from the root to the end of this node's edge
         self.bytes = 0 if slots is None else len(slots) * token_bytes
+        self.stamp = 0
 
 
 def common_prefix_length(a, b, start: int = 0) -> int:
