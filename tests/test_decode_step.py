@@ -213,18 +213,22 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
 
     from genback.runners.hf.decode.cascade import _prefix_attention, _splits
 
+    from genback.runners.hf.cache.kv_pool import KVPool
+
     torch.manual_seed(rows)
     Hkv, D, cap = 2, 16, 2048
-    store = torch.randn(2, Hkv, cap, D)
+    pool = KVPool((1, Hkv, D, torch.float32, torch.device("cpu")), capacity=cap)
+    store = pool.store[0]  # [2, Hkv, cap, D]
+    store.copy_(torch.randn(2, Hkv, cap, D))
     slots = torch.randperm(cap - 1)[:prefix] + 1
     Pb = bucket(rows, 1, prefix)[2]
-    b = SimpleNamespace(prefix=torch.zeros(Pb, dtype=torch.long),
+    b = SimpleNamespace(pool=pool, prefix=torch.zeros(Pb, dtype=torch.long),
                         bias0=torch.full((1, 1, 1, Pb), float("-inf")))
     b.prefix[:prefix] = slots
     b.bias0[..., :prefix] = 0
     store[:, :, 0] = 1e4  # the dummy slot the padding reads: large, and masked
     q = torch.randn(rows, Hkv, groups, D)
-    out, lse = _prefix_attention(store, b, q, 0.25)
+    out, lse = _prefix_attention(0, b, q, 0.25)
     assert _splits(Pb, Hkv, rows * groups) > 1 or Pb == 256
     k, v = store[0][:, slots].double(), store[1][:, slots].double()  # [Hkv, P, D]
     scores = torch.einsum("rhgd,hpd->rhgp", q.double(), k) * 0.25

@@ -146,10 +146,22 @@ class KVPool:
         self.store[layer, 0].index_copy_(1, slots, key)
         self.store[layer, 1].index_copy_(1, slots, value)
 
-    def gather(self, layer: int, index: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer: int, index: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """``[2, kv_heads, len(index), head_dim]``: layer ``layer``'s keys and values at the
-        slots ``index`` (long, on the device), one ``index_select``."""
-        return self.store[layer].index_select(2, index)
+        slots ``index`` (long, on the device), one ``index_select``, into ``out`` when given
+        (contiguous, of that shape).
+
+        The select runs over the layer's store viewed as ``[2 * kv_heads, capacity, head_dim]``
+        (dimension 1), the same bytes: on the CPU, PyTorch's ``index_select`` along the third
+        of four dimensions copies slice by slice, 2.5-8x slower than along the second of three
+        (one core: 300 slots of a 2 x 16 x 2 layout 25 -> 3.5 µs; 8,000 slots of SmolLM2's 3 x
+        64 x 2, 3,978 -> 1,558 µs, measured)."""
+        flat = self.store[layer].view(2 * self.heads, -1, self.dim)
+        if out is None:
+            return flat.index_select(1, index).view(2, self.heads, -1, self.dim)
+        torch.index_select(flat, 1, index, out=out.view(2 * self.heads, -1, self.dim))
+        return out
 
     def view(self, start: int, length: int) -> torch.Tensor:
         """``[layers, 2, kv_heads, length, head_dim]``: the run of slots ``start ..`` in place."""
@@ -161,7 +173,9 @@ class KVPool:
         start = run_start(slots)
         if start >= 0:
             return self.view(start, len(slots))
-        return self.store.index_select(3, torch.from_numpy(slots).to(self.device))
+        flat = self.store.view(self.layers * 2 * self.heads, -1, self.dim)  # (see gather)
+        return flat.index_select(1, torch.from_numpy(slots).to(self.device)).view(
+            self.layers, 2, self.heads, -1, self.dim)
 
 
 def run_start(slots: np.ndarray) -> int:

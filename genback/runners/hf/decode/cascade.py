@@ -123,12 +123,11 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     G = Hq // Hkv
     Wb = b.key[1]
     scale = scaling if scaling is not None else D ** -0.5
-    store = b.pool.store[layer]  # [2, Hkv, capacity, D]
     qg = query.reshape(Rb, Hkv, G, D)  # head h reads KV head h // G
-    kv = store.index_select(2, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
+    kv = b.pool.gather(layer, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
     out, lse = tree_attention._attend(qg, kv[0], kv[1], scale, "flash", b.bias1)
     if b.prefix is not None:  # level 0: the shared prefix, read once for all rows
-        o0, l0 = _prefix_attention(store, b, qg, scale)
+        o0, l0 = _prefix_attention(layer, b, qg, scale)
         out, lse = tree_attention._merge(out.float(), lse, o0, l0)
     out = out.to(query.dtype).reshape(Rb, Hq, 1, D)
     return out.transpose(1, 2).contiguous(), None
@@ -147,7 +146,7 @@ def _splits(Pb: int, Hkv: int, queries: int) -> int:
     return max(1, min(Pb // 256, SPLIT_TARGET_BLOCKS // tiles))
 
 
-def _prefix_attention(store, b: DecodeBuffers, qg, scale: float):
+def _prefix_attention(layer: int, b: DecodeBuffers, qg, scale: float):
     """Level 0: every row's queries over the shared prefix, split into chunks attended in
     parallel and merged by log-sum-exp (split-K, FlashAttention's "flash-decoding", Dao et al.
     2023), returning float32 ``(out [Rb, Hkv, G, D], lse [Rb, Hkv, G])``.
@@ -157,7 +156,7 @@ def _prefix_attention(store, b: DecodeBuffers, qg, scale: float):
     Pb = b.prefix.shape[0]
     S = _splits(Pb, Hkv, Rb * G)
     C = Pb // S
-    kv0 = store.index_select(2, b.prefix)  # [2, Hkv, Pb, D]
+    kv0 = b.pool.gather(layer, b.prefix)  # [2, Hkv, Pb, D]
     k0 = kv0[0].view(Hkv, S, C, D).transpose(0, 1)  # [S, Hkv, C, D]
     v0 = kv0[1].view(Hkv, S, C, D).transpose(0, 1)
     q0 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)

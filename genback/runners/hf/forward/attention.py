@@ -109,7 +109,7 @@ class TreeBatch:
         if self.index is None:
             return key, value
         R, H, m, D = key.shape
-        torch.index_select(self.pool.store[layer], 2, self.index, out=self.out)
+        self.pool.gather(layer, self.index, out=self.out)
         kv = self.out.view(2, H, R, self.P + m, D).transpose(1, 2)
         return kv[0], kv[1]
 
