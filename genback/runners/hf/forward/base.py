@@ -63,6 +63,8 @@ def model_inputs(paths: list[Path], pad_id: int):
 def new_slots(pool: KVPool, n_new: list[int], m: int) -> np.ndarray:
     """``int64 [R, m]``: fresh pool slots for each path's new tokens (row-major), the dummy slot
     0 in its right padding (a padded position's KV is written there and never read unmasked)."""
+    if m == 1:  # one new token per path (a forwarded path has at least one)
+        return pool.alloc(len(n_new))[:, None]
     n = np.asarray(n_new, dtype=np.int64)
     slots = np.zeros((len(n_new), m), dtype=np.int64)
     slots[np.arange(m)[None, :] < n[:, None]] = pool.alloc(int(n.sum()))

@@ -46,6 +46,7 @@ class TreeForward:
         self.min_shared_tokens, self.row_device = min_shared_tokens, row_device
         self.anchors = Anchors()  # (where the last forward's paths all met: see split_segments)
         self.lanes: Lanes | None = None  # the last uniform step's rows (see the module's doc)
+        self._segments: dict = {}  # id(shared slots) -> (slots, start, index): see _tree_batch
         self.lane_steps = 0  # forwards laid out from the last step's rows
 
     def run(self, paths: list[Path], uniform: bool = False) -> ForwardOut:
@@ -59,6 +60,7 @@ class TreeForward:
         rows = last.rows(paths, pool.frees) if uniform and last is not None else None
         if rows is None:
             shared, private = split_segments(paths, self.min_shared_tokens, anchors=self.anchors)
+            self._segments = {}  # (a step from lanes reads the same shared arrays again)
         slots = new_slots(pool, n_new, m)
         try:
             if rows is None:
@@ -68,7 +70,7 @@ class TreeForward:
                 layout, shared = np.concatenate([past, slots], axis=1), _renumber(
                     last.prefix, rows, len(last.pads))
                 self.lane_steps += 1
-            batch = _tree_batch(pool, shared, layout, pads, slots, R, m)
+            batch = _tree_batch(pool, shared, layout, pads, slots, R, m, self._segments)
             with attention.active(batch), attention.use_tree_attention(self.model.config):
                 _, logits = run_model(self.model, input_ids, positions,
                                       None if uniform else output_spans(paths),
@@ -102,12 +104,14 @@ def _renumber(shared: list, rows: np.ndarray, last_rows: int) -> list:
     return out
 
 
-def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int
-                ) -> attention.TreeBatch:
+def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
+                known: dict | None = None) -> attention.TreeBatch:
     """The :class:`.attention.TreeBatch` of a forward of ``R`` rows of ``m`` new tokens:
     ``shared`` segments ``(slots, rows)`` read in place; ``layout`` ``int64 [R, P + m]`` each
     row's left-padded private past and new tokens, ``pads`` ``int64 [R]`` its padding; ``slots``
-    ``int64 [R, m]`` the new tokens' slots."""
+    ``int64 [R, m]`` the new tokens' slots. ``known``: each shared array's first slot of its
+    run (or its index on the device) by the array's identity, filled here, so the steps laid
+    out from one layout's lanes (the same arrays) test and copy each array once."""
     dev = pool.device
     P = layout.shape[1] - m
     # built in NumPy, one tensor at the end (a torch op on small tensors costs several times a
@@ -121,10 +125,15 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int
         index = torch.from_numpy(layout.ravel()).to(dev)
         out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype, device=dev)
     segments = []
+    known = {} if known is None else known
     for seg_slots, idx in shared:
-        start = run_start(seg_slots)
+        hit = known.get(id(seg_slots))
+        if hit is None or hit[0] is not seg_slots:
+            start = run_start(seg_slots)
+            hit = known[id(seg_slots)] = (seg_slots, start, None if start >= 0 else
+                                          torch.from_numpy(seg_slots).to(dev))
         segments.append(attention.Segment(
-            start, None if start >= 0 else torch.from_numpy(seg_slots).to(dev), len(seg_slots),
-            None if len(idx) == R else as_long(idx, dev), len(idx)))
+            hit[1], hit[2], len(seg_slots), None if len(idx) == R else as_long(idx, dev),
+            len(idx)))
     return attention.TreeBatch(segments, pool, torch.from_numpy(slots.ravel()).to(dev), index, P,
                                torch.from_numpy(mask).to(dev), out)
