@@ -322,16 +322,13 @@ class KVTree:
         node.stamp = self.clock
 
     def evict(self) -> int:
-        """Evict least recently used leaves that are neither held nor pinned until within
-        budget (a leaf's parent is a candidate once its last child is gone; see
-        :mod:`.recency`); return bytes freed."""
+        """Evict least recently used leaves neither held nor pinned until within budget (a
+        parent is a candidate once its last child is gone, :mod:`.recency`); return bytes freed."""
         if self.bytes_held <= self.budget_bytes:
             return 0
         freed, held = 0, []
-        while self.bytes_held > self.budget_bytes:
-            node = self._candidates.pop(self._nodes)
-            if node is None:
-                break
+        while self.bytes_held > self.budget_bytes and (
+                node := self._candidates.pop(self._nodes)) is not None:
             if node.refs or node.pinned:
                 held.append(node)
             else:

@@ -129,8 +129,8 @@ class DecodeStep:
         graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
             and rejected buckets, graph memory).
         steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
-            from the last step's rows, :mod:`.lanes`), split_steps (steps run in chunks of rows,
-            :meth:`layouts`): statistics.
+            from the last step's rows, :mod:`..plan.lanes`), split_steps (steps run in chunks of
+            rows, :meth:`layouts`): statistics.
     """
 
     def __init__(self, model, pool: KVPool, *, graphs: bool, row_device: torch.device,
@@ -191,8 +191,8 @@ class DecodeStep:
         :meth:`layout` (its new slots taken from the pool). One chunk when the step fits one
         forward; else 2, then :data:`MAX_CHUNKS` equal chunks. A step with as many rows as
         the last one, which was split, is split alike at once (each chunk laid out from the
-        same chunk of the last step when its rows extend those, :class:`.lanes.Lanes`), the
-        whole tried again every :data:`.lanes.REFRESH` steps. None (nothing taken from the
+        same chunk of the last step when its rows extend those, :class:`..plan.lanes.Lanes`), the
+        whole tried again every :data:`..plan.lanes.REFRESH` steps. None (nothing taken from the
         pool) when the chunks do not fit either."""
         R = len(group)
         split_alike = len(self._lanes) > 1 and R == self._rows and self._split_age < REFRESH
@@ -228,10 +228,10 @@ class DecodeStep:
 
     def layout(self, group, lanes: Lanes | None = None) -> tuple[StepLayout, Lanes] | None:
         """The :class:`.cascade.StepLayout` of one forward over ``group`` and its
-        :class:`.lanes.Lanes`, or None when it is too wide for this path (new slots are taken
+        :class:`..plan.lanes.Lanes`, or None when it is too wide for this path (new slots are taken
         from the pool here). When every path extends a context of ``lanes`` (a last forward's
         rows) by one token, the table is those rows plus a column; otherwise, or every
-        :data:`.lanes.REFRESH` steps, the tree's segments are laid out again
+        :data:`..plan.lanes.REFRESH` steps, the tree's segments are laid out again
         (:func:`..plan.segments.split_segments`)."""
         R = len(group)
         if R > MAX_ROWS:
@@ -260,7 +260,7 @@ class DecodeStep:
         return _pow2(rows) * bucket(rows, width, 0)[1] <= MAX_TABLE_SLOTS
 
     def _from_lanes(self, lanes: Lanes, rows: np.ndarray):
-        """``(past, pads)`` gathered from the last step's ``rows`` (:meth:`.lanes.Lanes.gather`),
+        """``(past, pads)`` gathered from the last step's ``rows`` (:meth:`..plan.lanes.Lanes.gather`),
         or None when its table with a new column would not fit (a full layout may share more)."""
         past, pads = lanes.gather(rows)
         return (past, pads) if self._fits(len(rows), past.shape[1] + 1) else None

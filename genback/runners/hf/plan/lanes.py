@@ -17,8 +17,9 @@ When a step's rows are still right: the slots of a cached context's KV never cha
 cached (splits and merges of tree nodes join or split index arrays; KV never moves), so a row is
 right as long as no slot it names was freed and handed out again. A step's lanes are therefore
 used only while the pool has freed nothing since (the ``frees`` count of the
-:class:`..cache.kv_pool.KVPool`: an eviction, a duplicate's slots, a failed step, a cleared cache), and
-only by the next decode step (each step replaces the last one's lanes). A full layout
+:class:`..cache.kv_pool.KVPool`: an eviction, a duplicate's slots, a failed step, a cleared
+cache), and only by the next step of the same forward and adapter (each step replaces the last
+one's lanes). A full layout
 runs at least every :data:`REFRESH` steps: resampling can make every row share more of its
 past, which a full layout reads once in level 0 instead of once per row.
 """
