@@ -19,9 +19,9 @@ right as long as no slot it names was freed and handed out again. A step's lanes
 used only while the pool has freed nothing since (the ``frees`` count of the
 :class:`..cache.kv_pool.KVPool`: an eviction, a duplicate's slots, a failed step, a cleared
 cache), and only by the next step of the same forward and adapter (each step replaces the last
-one's lanes). A full layout
-runs at least every :data:`REFRESH` steps: resampling can make every row share more of its
-past, which a full layout reads once in level 0 instead of once per row.
+one's lanes). A full layout runs at least every :data:`REFRESH` steps: resampling can make
+every row share more of its past, which a full layout reads once (level 0, a shared segment)
+instead of once per row.
 """
 
 from __future__ import annotations
