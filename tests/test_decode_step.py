@@ -298,21 +298,25 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
         lm.close()
 
 
-def test_a_freed_slot_retires_the_last_steps_rows(tiny_hf, gpt2_tok):
+@pytest.mark.parametrize("decode,counter", [("eager", "decode_lane_steps"),
+                                            ("auto", "tree_lane_steps")])
+def test_a_freed_slot_retires_the_last_steps_rows(tiny_hf, gpt2_tok, decode, counter):
     """Any slot freed between two steps (here: the cache cleared and the contexts computed
-    again, into other slots) makes the next step lay its rows out from the tree again."""
+    again, into other slots) makes the next step lay its rows out from the tree again: on the
+    decode step and on the tree path (the CPU's default)."""
     trace = _smc_trace(random.Random(5), 30, 6, 4, 2, 50)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
-                          decode="eager")
+                          decode=decode)
     try:
         lm.cache_kv(trace[0][0][:-1])
         assert _run_trace(lm, trace[:2], {}) <= 1e-5
-        lanes = lm.cache_info()["decode_lane_steps"]
+        lanes = lm.cache_info()[counter]
+        assert lanes == 1  # (the second step, from the first one's rows)
         lm.clear_kv_cache()
         lm.batch_next_token_logprobs_sync(trace[1])  # (the last step's contexts, recomputed)
         assert _run_trace(lm, trace[2:3], {}) <= 1e-5
-        assert lm.cache_info()["decode_lane_steps"] == lanes  # laid out from the tree
+        assert lm.cache_info()[counter] == lanes  # laid out from the tree
         assert _run_trace(lm, trace[3:], {}) <= 1e-5
-        assert lm.cache_info()["decode_lane_steps"] == lanes + 1  # ... and from lanes again
+        assert lm.cache_info()[counter] == lanes + 1  # ... and from lanes again
     finally:
         lm.close()
