@@ -66,6 +66,23 @@ async def test_other_bad_arguments(tiny_lm):
         await tiny_lm.next_token_logprobs([1] * 513)
 
 
+async def test_a_bad_context_in_a_batch_names_its_index_and_queues_nothing(tiny_lm):
+    """``batch_next_token_logprobs`` checks every context before it queues any: the error
+    names the bad one's index, no query of the batch is computed, and the model serves the
+    same batch without it (rows stacked in order, a cached row and a repeated context
+    included)."""
+    before = tiny_lm.cache_info()["batched_queries"]
+    with pytest.raises(ValueError, match=r"token_ids_list\[2\]"):
+        await tiny_lm.batch_next_token_logprobs([[5, 6], [5, 7], [5, -1]])
+    assert tiny_lm.cache_info()["batched_queries"] == before
+    cached = await tiny_lm.next_token_logprobs([5, 6])
+    rows = await tiny_lm.batch_next_token_logprobs([[5, 6], [5, 7], [5, 7]])
+    assert rows.shape == (3, len(cached)) and torch.equal(rows[0], cached)
+    assert torch.equal(rows[1], rows[2])
+    for ids, row in zip([[5, 6], [5, 7]], rows):
+        assert float((row - tiny_lm.next_token_logprobs_uncached(ids)).abs().max()) <= 1e-5
+
+
 @pytest.mark.parametrize("option, value", [
     ("kv_budget_bytes", 0), ("kv_budget_bytes", -5), ("batch_size", 0), ("max_batch_tokens", 0),
     ("batch_window", -1.0), ("row_cache_size", -1), ("batch_size", 2.5),

@@ -219,10 +219,19 @@ class AsyncLM:
                 context is bad (as :meth:`next_token_logprobs`), or ``lora_name`` is unknown.
             BatcherClosed: the model was closed or reset while the queries waited.
         """
+        front = self.front
         contexts = check_list(token_ids_list, "token_ids_list")
-        self.front.adapter_key(lora_name)
-        rows = await asyncio.gather(*(self.next_token_logprobs(ids, lora_name=lora_name)
-                                      for ids in contexts))
+        adapter = front.adapter_key(lora_name)
+        queries = [front.next_token(ids, adapter, f"token_ids_list[{i}]")
+                   for i, ids in enumerate(contexts)]  # (all checked before any is queued)
+        rows = [front.lookup(q) for q in queries]
+        # the scheduler's futures, awaited together: no task per context (the stack is the
+        # caller's copy, so the rows themselves are not copied first)
+        todo = [i for i, row in enumerate(rows) if row is None]
+        if todo:
+            for i, row in zip(todo, await asyncio.gather(*(front.submit(queries[i])
+                                                         for i in todo))):
+                rows[i] = row
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None) -> torch.Tensor:
