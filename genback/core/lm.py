@@ -219,19 +219,14 @@ class AsyncLM:
                 context is bad (as :meth:`next_token_logprobs`), or ``lora_name`` is unknown.
             BatcherClosed: the model was closed or reset while the queries waited.
         """
-        front = self.front
-        contexts = check_list(token_ids_list, "token_ids_list")
-        adapter = front.adapter_key(lora_name)
-        queries = [front.next_token(ids, adapter, f"token_ids_list[{i}]")
-                   for i, ids in enumerate(contexts)]  # (all checked before any is queued)
+        front, adapter = self.front, self.front.adapter_key(lora_name)
+        queries = [front.next_token(ids, adapter, f"token_ids_list[{i}]") for i, ids in
+                   enumerate(check_list(token_ids_list, "token_ids_list"))]  # (all, then queued)
         rows = [front.lookup(q) for q in queries]
-        # the scheduler's futures, awaited together: no task per context (the stack is the
-        # caller's copy, so the rows themselves are not copied first)
+        # the scheduler's futures awaited together, no task per context; the stack is the copy
         todo = [i for i, row in enumerate(rows) if row is None]
-        if todo:
-            for i, row in zip(todo, await asyncio.gather(*(front.submit(queries[i])
-                                                         for i in todo))):
-                rows[i] = row
+        for i, row in zip(todo, await asyncio.gather(*(front.submit(queries[i]) for i in todo))):
+            rows[i] = row
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None) -> torch.Tensor:
