@@ -248,9 +248,11 @@ class StepClock:
     FIELDS = ("wall", "fwd_wall", "fwd_cpu", "caller", "worker", "process", "forwards",
               "queries", "steps", "gc")
 
-    def __init__(self, timer: ForwardTimer, lm, gc_clock: GcClock | None = None):
+    def __init__(self, timer: ForwardTimer, lm, gc_clock: GcClock | None = None,
+                 api: str = "gather"):
         self.timer, self.lm = timer, lm
         self.gc = gc_clock
+        self.api = api
         self.t = dict.fromkeys(self.FIELDS, 0.0)
 
     async def step(self, contexts):
@@ -259,7 +261,7 @@ class StepClock:
         threads0 = _thread_cpu()
         g0 = self.gc.total if self.gc else 0.0
         p0, c0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
-        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        rows = await ask(lm, contexts, self.api)
         w1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
         threads1 = _thread_cpu()
         t = self.t
@@ -290,6 +292,15 @@ class StepClock:
 
 
 # -- part 1: SMC steps -------------------------------------------------------------------------
+
+async def ask(lm, contexts, api: str = "gather"):
+    """One step's rows: ``gather`` of one ``next_token_logprobs`` per context (what llamppl's
+    particles do), or one ``batch_next_token_logprobs`` call (genlm-control's
+    ``PromptedLLM``; its ``[N, V]`` tensor, unbound into rows for the trace)."""
+    if api == "batch":
+        return (await lm.batch_next_token_logprobs(contexts)).unbind(0)
+    return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
 
 def reference_rows(model, contexts) -> list[torch.Tensor]:
     """Uncached fp32 next-token log-prob rows of ``contexts`` (one forward each)."""
@@ -344,7 +355,7 @@ def smc_advance(parts: list[list[int]], rows, *, resample: bool, gen) -> list[li
 
 async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
                    resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None,
-                   caller_gc_inside: bool = False) -> dict:
+                   caller_gc_inside: bool = False, api: str = "gather") -> dict:
     """One cell of part 1 on a fresh ``AsyncTransformer``; returns the per-query numbers, plus
     ``answered`` (rows returned by measured steps), ``rows_ok`` (each row a log-normalised
     vector of the logit width), ``err`` and ``info`` (``cache_info()`` at the end)."""
@@ -353,7 +364,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     lm = AsyncTransformer(model, tok, **(lm_kwargs or {}))
     timer = ForwardTimer(model)
     gc_clock = GcClock()
-    clock = StepClock(timer, lm, gc_clock)
+    clock = StepClock(timer, lm, gc_clock, api)
     gen = torch.Generator().manual_seed(seed)
     width = model.get_output_embeddings().weight.shape[0]
     parts = [text_ids(tok, context)] * n
@@ -362,7 +373,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     try:
         for step in range(warmup + 1 + steps):
             if step <= warmup:  # the prompt's prefill, then warm-up steps: not measured
-                rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+                rows = await ask(lm, parts, api)
             else:
                 rows = await clock.step(parts)
                 answered += len(rows)
@@ -466,6 +477,9 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode", default="auto", choices=["auto", "graphs", "eager", "off"],
                    help="AsyncTransformer's decode mode (default auto: the tree path on the CPU)")
+    p.add_argument("--api", default="gather", choices=["gather", "batch"],
+                   help="a step as a gather of next_token_logprobs calls (default) or one "
+                        "batch_next_token_logprobs call")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
     args = p.parse_args(argv)
@@ -498,6 +512,7 @@ def main(argv=None) -> dict:
                                          warmup=args.warmup, resample=args.resample,
                                          seed=args.seed,
                                          caller_gc_inside=args.caller_gc_inside,
+                                         api=args.api,
                                          lm_kwargs={"decode": args.decode}))
                 results["smc"].append(r)
                 print(row_md(args.model, r), flush=True)
