@@ -233,21 +233,37 @@ def register(name: str = NAME, function=None) -> None:
         _registered.add(name)
 
 
-@contextmanager
-def use_tree_attention(config, name: str = NAME):
+class use_tree_attention:
     """Switch ``config``'s attention implementation to ``name`` (``"genback_tree"``, or the
-    decode step's ``"genback_decode"``) for the block.
+    decode step's ``"genback_decode"``) for a ``with`` block.
 
     The switch is local to genback's own forwards (held under the forward lock), so the model
     keeps its own implementation (sdpa, eager, ...) everywhere else. transformers builds no
     mask for an implementation without a registered mask function: the tree batch has its own.
+    The attribute is written in the config's ``__dict__``: transformers' ``__setattr__`` and
+    ``__getattribute__`` of a config (attribute map, strict validation) cost ~10 µs per forward
+    for the two writes (measured, transformers 5.19), ~0.3 µs this way.
     """
-    previous = config._attn_implementation_internal
-    config._attn_implementation_internal = name
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = previous
+
+    __slots__ = ("fields", "name", "previous")
+
+    def __init__(self, config, name: str = NAME):
+        self.fields = object.__getattribute__(config, "__dict__")
+        self.name = name
+
+    def __enter__(self):
+        self.previous = self.fields.get(_ATTN_FIELD, _ABSENT)
+        self.fields[_ATTN_FIELD] = self.name
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is _ABSENT:
+            self.fields.pop(_ATTN_FIELD, None)
+        else:
+            self.fields[_ATTN_FIELD] = self.previous
+
+
+_ATTN_FIELD = "_attn_implementation_internal"  # (what config._attn_implementation reads)
+_ABSENT = object()
 
 
 def support(model) -> str | None:
