@@ -55,8 +55,8 @@ def model_inputs(paths: list[Path], pad_id: int):
         pad = (pad_id,) * m
         ids = np.array([p.tokens[p.cached:] + pad[: m - n] for p, n in zip(paths, n_new)],
                        dtype=np.int64)
-    cached = np.fromiter((p.cached for p in paths), dtype=np.int64, count=R)
-    positions = cached[:, None] + np.arange(m, dtype=np.int64)
+    cached = np.fromiter((p.cached for p in paths), dtype=np.int64, count=R)[:, None]
+    positions = cached if m == 1 else cached + np.arange(m, dtype=np.int64)
     return torch.from_numpy(ids), torch.from_numpy(positions), n_new
 
 

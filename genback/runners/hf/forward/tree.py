@@ -119,7 +119,7 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
     # pad), the new tokens causal
     mask = np.empty((R, 1, m, P + m), dtype=bool)
     mask[:, 0, :, :P] = (np.arange(P) >= pads[:, None])[:, None, :]
-    mask[:, 0, :, P:] = np.tri(m, dtype=bool)
+    mask[:, 0, :, P:] = True if m == 1 else np.tri(m, dtype=bool)
     index = out = None
     if P:
         index = torch.from_numpy(layout.ravel()).to(dev)
