@@ -39,6 +39,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
+from .query_group import Member, QueryGroup
+
 
 class BatchAbandoned(RuntimeError):
     """A pending query's batch was given up before it was computed (genlm-backend's name; catch
@@ -147,33 +149,64 @@ class Batcher:
     def enqueue(self, key: Hashable, query: Any) -> asyncio.Future:
         """Queue ``query`` now (call it on a running event loop's thread); return the future of
         its result, which fails as :meth:`submit` raises."""
+        loop, state = self._open_state()
+        future = loop.create_future()
+        with self._lock:
+            self._add(state, loop, key, query, future)
+            ready, check = self._decide(state)
+        self._after_add(state, loop, ready, check)
+        return future
+
+    def enqueue_many(self, items: Sequence[tuple[Hashable, Any]]) -> asyncio.Future:
+        """Queue the ``(key, query)`` pairs of ``items`` (at least one) at once, as one caller
+        of each: return one future of the list of their results, in order (no future, and no
+        wake-up, per query). It fails with the first failure among them (the others are still
+        computed); cancelling it drops those of its queries that nobody else waits for."""
+        loop, state = self._open_state()
+        group = QueryGroup(loop.create_future(), len(items))
+        with self._lock:
+            for i, (key, query) in enumerate(items):
+                self._add(state, loop, key, query, Member(group, i))
+            ready, check = self._decide(state)
+        self._after_add(state, loop, ready, check)
+        return group.future
+
+    def _open_state(self) -> tuple[asyncio.AbstractEventLoop, _LoopState]:
         if self._closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         loop = asyncio.get_running_loop()
         last = self._last  # (one read: the pair is replaced whole, never mutated)
-        state = last[1] if last is not None and last[0] is loop else self._state(loop)
-        future = loop.create_future()
-        with self._lock:
-            state.callers += 1
-            entry = state.pending.get(key)
-            if entry is not None and entry.live():
-                entry.futures.append(future)
-            else:
-                if not state.pending:
-                    state.window_expired = self.window == 0
-                    if not state.window_expired and state.timer is None:
-                        state.timer = loop.call_later(self.window, self._on_window, state)
-                # a replaced entry had only cancelled callers
-                state.pending[key] = _Entry(query, future)
-            ready = state.window_expired or len(state.pending) >= self.max_batch_size
-            check = not ready and not state.check_queued and state.sizes[1] > 0
-            if check:
-                state.check_queued = True
+        return loop, (last[1] if last is not None and last[0] is loop else self._state(loop))
+
+    def _add(self, state: _LoopState, loop, key: Hashable, query: Any, sink) -> None:
+        """Join ``query`` (its caller's ``sink``: a future or a group's member) to ``state``'s
+        pending batch; under the lock."""
+        state.callers += 1
+        entry = state.pending.get(key)
+        if entry is not None and entry.live():
+            entry.futures.append(sink)
+        else:
+            if not state.pending:
+                state.window_expired = self.window == 0
+                if not state.window_expired and state.timer is None:
+                    state.timer = loop.call_later(self.window, self._on_window, state)
+            # a replaced entry had only cancelled callers
+            state.pending[key] = _Entry(query, sink)
+
+    def _decide(self, state: _LoopState) -> tuple[bool, bool]:
+        """``(ready, check)`` after queries joined: the batch can go now; a cohort check is to
+        be queued (then marked queued). Under the lock."""
+        ready = state.window_expired or len(state.pending) >= self.max_batch_size
+        check = not ready and not state.check_queued and state.sizes[1] > 0
+        if check:
+            state.check_queued = True
+        return ready, check
+
+    def _after_add(self, state: _LoopState, loop, ready: bool, check: bool) -> None:
         if ready:  # (otherwise the window's timer, the cohort check or the running batch's end)
             self._maybe_dispatch(state)
         elif check:  # runs once every callback ready now has run (each caller that could query)
             loop.call_soon(self._check_cohort, state)
-        return future
 
     def reset(self, exc: BaseException | None = None) -> int:
         """Fail every pending (not yet dispatched) query with ``exc``; return how many callers.

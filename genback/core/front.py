@@ -27,6 +27,7 @@ checked ids (:meth:`Front.tokens` checks ids alone).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import torch
@@ -189,6 +190,14 @@ class Front:
         """The awaitable result of a counted ``query`` that :meth:`lookup` did not find (the
         scheduler's future, or its coroutine for an engine that schedules itself)."""
         return self._submit(query, query)
+
+    def submit_many(self, queries: list[Query]):
+        """The awaitable list of results of counted ``queries`` (at least one) that
+        :meth:`lookup` did not find: one future for all (:meth:`genback.batcher.Batcher.enqueue_many`),
+        or a gather of the engine's coroutines. Fails with the first failure."""
+        if isinstance(self.scheduler, Batcher):
+            return self.scheduler.enqueue_many([(q, q) for q in queries])
+        return asyncio.gather(*(self.scheduler.submit(q, q) for q in queries))
 
     def ask_sync(self, queries: list[Query]) -> list:
         """Results of checked queries, computed on the calling thread in one batch (a query

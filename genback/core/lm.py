@@ -223,10 +223,11 @@ class AsyncLM:
         queries = [front.next_token(ids, adapter, f"token_ids_list[{i}]") for i, ids in
                    enumerate(check_list(token_ids_list, "token_ids_list"))]  # (all, then queued)
         rows = [front.lookup(q) for q in queries]
-        # the scheduler's futures awaited together, no task per context; the stack is the copy
+        # one future for the uncached rows (no task, future or wake-up per context)
         todo = [i for i, row in enumerate(rows) if row is None]
-        for i, row in zip(todo, await asyncio.gather(*(front.submit(queries[i]) for i in todo))):
-            rows[i] = row
+        if todo:
+            for i, row in zip(todo, await front.submit_many([queries[i] for i in todo])):
+                rows[i] = row
         return torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""A caller's several queries awaited as one future (``Batcher.enqueue_many``, the route of
+``batch_next_token_logprobs``): results in order, shared computation with other callers, a
+failure, a cancellation and a reset, each against what one future per query does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from genback.batcher import Batcher, BatcherClosed
+
+
+def _batcher(computed: list, **kw):
+    def compute(queries):
+        computed.append(list(queries))
+        return [ValueError(f"bad {q}") if isinstance(q, str) and q.startswith("bad")
+                else [q] for q in queries]
+    return Batcher(compute, window=kw.pop("window", 0.01), max_batch_size=64,
+                   copy=lambda r: list(r), **kw)
+
+
+async def test_a_group_gets_its_results_in_order_in_one_batch_with_other_callers():
+    computed: list = []
+    b = _batcher(computed)
+    try:
+        single = b.enqueue(3, 3)
+        group = b.enqueue_many([(k, k) for k in (5, 3, 4, 5)])
+        assert isinstance(group, asyncio.Future)
+        got, alone = await group, await single
+        assert got == [[5], [3], [4], [5]] and alone == [3]
+        assert computed == [[3, 5, 4]]  # one batch, each distinct query once
+        # second callers get copies: the group's 3 is not the single caller's object
+        assert got[1] is not alone and (got[0] is got[3]) is False
+    finally:
+        b.close()
+
+
+async def test_a_failing_query_fails_the_group_and_no_other_caller():
+    computed: list = []
+    b = _batcher(computed)
+    try:
+        other = b.enqueue(1, 1)
+        group = b.enqueue_many([(1, 1), ("bad x", "bad x"), (2, 2)])
+        with pytest.raises(ValueError, match="bad x"):
+            await group
+        assert await other == [1]
+        assert computed == [[1, "bad x", 2]]
+    finally:
+        b.close()
+
+
+async def test_a_cancelled_group_is_not_computed_unless_another_caller_waits():
+    computed: list = []
+    b = _batcher(computed, window=0.05)
+    try:
+        group = b.enqueue_many([(7, 7), (8, 8)])
+        other = b.enqueue(8, 8)
+        group.cancel()
+        assert await other == [8]
+        assert computed == [[8]]  # 7 had no caller left; 8 had one
+    finally:
+        b.close()
+
+
+async def test_a_reset_fails_a_pending_group():
+    computed: list = []
+    b = _batcher(computed, window=10.0)
+    try:
+        group = b.enqueue_many([(1, 1), (2, 2)])
+        assert b.reset() == 2  # two callers' places, one group
+        with pytest.raises(BatcherClosed):
+            await group
+        assert computed == []
+    finally:
+        b.close()
+
+
+async def test_batch_rows_equal_single_rows_and_one_future_serves_them(tiny_lm):
+    """``batch_next_token_logprobs`` (one group) against ``next_token_logprobs`` of each
+    context on a fresh state: equal rows; a context asked twice and one cached row included."""
+    lm = tiny_lm
+    contexts = [[1, 2, 3], [1, 2, 3, 4], [5, 6], [1, 2, 3]]
+    first = await lm.next_token_logprobs([9, 9])  # cached before the batch
+    batch = await lm.batch_next_token_logprobs(contexts + [[9, 9]])
+    lm.clear_cache()
+    lm.clear_kv_cache()
+    singles = [await lm.next_token_logprobs(c) for c in contexts]
+    assert batch.shape == (5, first.shape[0])
+    assert torch.allclose(batch[:4], torch.stack(singles), atol=1e-5)
+    assert torch.equal(batch[4], first)
+    batch[0].zero_()  # the caller's own tensor: nothing cached changed
+    assert torch.allclose(await lm.next_token_logprobs(contexts[0]), singles[0], atol=1e-5)
