@@ -1,0 +1,133 @@
+"""Where a step's host time goes between the caller and the worker: one SMC step's timeline.
+
+``bench_host.py`` splits a step's host time by thread (caller, worker, idle); this script splits
+it in time, at the hand-offs, for the same trace (its tiny model, one shared prompt, each particle
+sampling its next token, resampling every 3 steps), median over the measured steps (µs):
+
+- ``caller -> dispatch``: from the start of the caller's ``gather`` (or its one
+  ``batch_next_token_logprobs`` call, ``--api batch``) to the batch's hand-off to the worker
+  thread: every caller's query built and checked (the front), the batcher's enqueue, the tasks
+  ``gather`` makes and the loop's turns until the cohort is in;
+- ``dispatch -> compute``: until the worker thread runs the batch (waking it);
+- ``compute``: the front's compute step on the worker (the model's forward included; ``fwd``
+  is the forward alone, timed by hooks on the model);
+- ``compute -> finish``: until the loop's thread answers the batch's callers (the
+  ``call_soon_threadsafe`` wake-up);
+- ``finish``: the batcher setting every caller's result;
+- ``finish -> caller``: until the caller's ``gather`` returns (its tasks woken, in turn);
+- ``host``: the step's wall time minus the forward's.
+
+The clocks are read by wrapping genback's private hand-off points (the worker pool's ``submit``,
+``Front._compute_owned``, ``Batcher._finish``): a measurement tool, not an API.
+
+Run: ``taskset -c 1 python benchmarks/bench_step_timeline.py --particles 1 16 256``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_host as bh  # noqa: E402
+
+PHASES = ("caller -> dispatch", "dispatch -> compute", "compute", "fwd", "compute -> finish",
+          "finish", "finish -> caller", "host")
+
+
+class Clocks:
+    """Wraps the hand-off points and keeps the last step's times (``perf_counter`` s)."""
+
+    def __init__(self):
+        from genback import batcher
+        from genback.core import front
+
+        self.t: dict[str, float] = {}
+        self.saved = [(concurrent.futures.ThreadPoolExecutor, "submit"),
+                      (front.Front, "_compute_owned"), (batcher.Batcher, "_finish")]
+        self.saved = [(cls, name, getattr(cls, name)) for cls, name in self.saved]
+        for cls, name, fn in self.saved:
+            setattr(cls, name, self._wrap(fn, name))
+
+    def _wrap(self, fn, name):
+        t = self.t
+
+        def timed(*args, **kwargs):
+            t[name + "0"] = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t[name + "1"] = time.perf_counter()
+        return timed
+
+    def remove(self):
+        for cls, name, fn in self.saved:
+            setattr(cls, name, fn)
+
+
+async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int = 0) -> dict:
+    from genback.llm import AsyncTransformer
+
+    clocks, timer = Clocks(), bh.ForwardTimer(model)
+    lm = AsyncTransformer(model, tok)
+    gen = torch.Generator().manual_seed(seed)
+    parts = [bh.text_ids(tok, context)] * n
+    times = {p: [] for p in PHASES}
+    t = clocks.t
+    try:
+        for step in range(steps + 3):
+            fwd0 = timer.wall
+            t0 = time.perf_counter()
+            rows = await bh.ask(lm, parts, api)
+            t1 = time.perf_counter()
+            if step >= 3:  # (the prefill and two warm-up steps are not measured)
+                fwd = timer.wall - fwd0
+                for name, value in (
+                        ("caller -> dispatch", t["submit0"] - t0),
+                        ("dispatch -> compute", t["_compute_owned0"] - t["submit0"]),
+                        ("compute", t["_compute_owned1"] - t["_compute_owned0"]),
+                        ("fwd", fwd),
+                        ("compute -> finish", t["_finish0"] - t["_compute_owned1"]),
+                        ("finish", t["_finish1"] - t["_finish0"]),
+                        ("finish -> caller", t1 - t["_finish1"]),
+                        ("host", t1 - t0 - fwd)):
+                    times[name].append(value * 1e6)
+            parts = bh.smc_advance(parts, rows, resample=(step + 1) % 3 == 0, gen=gen)
+            gc.collect(1)
+    finally:
+        clocks.remove()
+        timer.remove()
+        await lm.aclose()
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--particles", type=int, nargs="+", default=[1, 16, 256])
+    p.add_argument("--context", type=int, default=100)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--api", default="gather", choices=["gather", "batch"])
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model, tok = bh.load("tiny")
+    print(f"tiny model, context {args.context}, {args.steps} steps, api {args.api}; median µs "
+          f"per step\n")
+    print("| particles | " + " | ".join(PHASES) + " |\n" + "|---" * (len(PHASES) + 1) + "|")
+    out = []
+    for n in args.particles:
+        r = asyncio.run(cell(model, tok, n, args.context, args.steps, args.api))
+        out.append(dict(r, particles=n))
+        print(f"| {n} | " + " | ".join(f"{r[name]:.0f}" for name in PHASES) + " |", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
