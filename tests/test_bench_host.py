@@ -110,3 +110,36 @@ def test_long_run_reports_every_step(bench, tiny):
     assert r["info"]["forwards"] == 13  # the prefill, then one forward per step
     assert all(b > 0 for b in r["read"])
     assert all(math.isfinite(h) and math.isfinite(w) for h, w in zip(r["host"], r["wall"]))
+
+
+def test_batch_route_answers_every_query_as_the_gather(bench):
+    """``--api batch``: the same trace through one ``batch_next_token_logprobs`` call a step;
+    the same rows (so the same sampled trace) and the same forwards as the ``gather``."""
+    args = ["--quick", "--no-nested", "--particles", "8", "--contexts", "100"]
+    gather, batch = bench.main(args)["smc"][0], bench.main(args + ["--api", "batch"])["smc"][0]
+    assert batch["answered"] == batch["queries"] == gather["queries"]
+    assert batch["rows_ok"] and batch["err"] <= 1e-5
+    assert batch["distinct_last"] == gather["distinct_last"]
+    assert batch["info"]["forwards"] == gather["info"]["forwards"]
+
+
+def test_step_timeline_times_every_phase_and_unwraps():
+    """``bench_step_timeline.py``: every phase of every cell timed (finite, >= 0; the forward
+    within the compute step), and genback's hand-off points are its own again afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from genback.batcher import Batcher
+    from genback.core.front import Front
+
+    spec = importlib.util.spec_from_file_location("bench_step_timeline",
+                                                  BENCH.parent / "bench_step_timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    before = (ThreadPoolExecutor.submit, Front._compute_owned, Batcher._finish)
+    for api in ("gather", "batch"):
+        cells = timeline.main(["--particles", "1", "4", "--steps", "3", "--api", api])
+        assert [c["particles"] for c in cells] == [1, 4]
+        for c in cells:
+            assert all(math.isfinite(c[p]) and c[p] >= 0 for p in timeline.PHASES)
+            assert c["fwd"] <= c["compute"]
+    assert (ThreadPoolExecutor.submit, Front._compute_owned, Batcher._finish) == before
