@@ -52,14 +52,15 @@ class BatcherClosed(BatchAbandoned):
 
 
 class _Entry:
-    __slots__ = ("query", "futures")
+    __slots__ = ("query", "waiters")
 
-    def __init__(self, query, future):
+    def __init__(self, query, waiter):
         self.query = query
-        self.futures = [future]
+        # each caller's future, or a member of a caller's QueryGroup (answers as a future does)
+        self.waiters = [waiter]
 
     def live(self) -> bool:
-        for f in self.futures:  # (a loop: no generator per call)
+        for f in self.waiters:  # (a loop: no generator per call)
             if not f.done():
                 return True
         return False
@@ -158,12 +159,15 @@ class Batcher:
         return future
 
     def enqueue_many(self, items: Sequence[tuple[Hashable, Any]]) -> asyncio.Future:
-        """Queue the ``(key, query)`` pairs of ``items`` (at least one) at once, as one caller
+        """Queue the ``(key, query)`` pairs of ``items`` at once, as one caller
         of each: return one future of the list of their results, in order (no future, and no
         wake-up, per query). It fails with the first failure among them (the others are still
         computed); cancelling it drops those of its queries that nobody else waits for."""
         loop, state = self._open_state()
         group = QueryGroup(loop.create_future(), len(items))
+        if not items:
+            group.future.set_result([])
+            return group.future
         with self._lock:
             for i, (key, query) in enumerate(items):
                 self._add(state, loop, key, query, Member(group, i))
@@ -184,7 +188,7 @@ class Batcher:
         state.callers += 1
         entry = state.pending.get(key)
         if entry is not None and entry.live():
-            entry.futures.append(sink)
+            entry.waiters.append(sink)
         else:
             if not state.pending:
                 state.window_expired = self.window == 0
@@ -223,7 +227,7 @@ class Batcher:
                 state.pending.clear()
                 state.callers = 0
                 # a timer left running only dispatches an (empty or newer) batch early
-                taken.append((state, [f for e in entries for f in e.futures]))
+                taken.append((state, [f for e in entries for f in e.waiters]))
         for state, futures in taken:
             failed += sum(not f.done() for f in futures)
             _fail_threadsafe(state.loop, futures, exc)
@@ -291,7 +295,7 @@ class Batcher:
             if not batch:
                 return
             state.busy = True
-            callers = sum(len(e.futures) for e in batch)
+            callers = sum(len(e.waiters) for e in batch)
             state.callers = max(0, state.callers - callers) if state.pending else 0
             state.sizes = (state.sizes[1], callers)
         self.batches += 1
@@ -349,7 +353,7 @@ class Batcher:
                 for entry, result in zip(batch, results):
                     failed = isinstance(result, BaseException)  # fails this query only
                     first = True
-                    for f in entry.futures:
+                    for f in entry.waiters:
                         if f.done():  # (cancelled)
                             continue
                         if failed:
@@ -372,7 +376,7 @@ class Batcher:
 
 def _fail(entries: list[_Entry], exc: BaseException) -> None:
     for entry in entries:
-        for f in entry.futures:
+        for f in entry.waiters:
             if not f.done():
                 f.set_exception(exc)
 

@@ -40,6 +40,7 @@ async def test_a_group_gets_its_results_in_order_in_one_batch_with_other_callers
         assert computed == [[3, 5, 4]]  # one batch, each distinct query once
         # second callers get copies: the group's 3 is not the single caller's object
         assert got[1] is not alone and (got[0] is got[3]) is False
+        assert await b.enqueue_many([]) == [] and computed == [[3, 5, 4]]  # nothing queued
 
 
 async def test_a_failing_query_fails_the_group_and_no_other_caller():

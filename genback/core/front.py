@@ -192,12 +192,13 @@ class Front:
         return self._submit(query, query)
 
     def submit_many(self, queries: list[Query]):
-        """The awaitable list of results of counted ``queries`` (at least one) that
-        :meth:`lookup` did not find: one future for all (:meth:`genback.batcher.Batcher.enqueue_many`),
-        or a gather of the engine's coroutines. Fails with the first failure."""
+        """The awaitable list of results of counted ``queries`` that :meth:`lookup` did not
+        find: one future for all (:meth:`genback.batcher.Batcher.enqueue_many`), or a gather of
+        :meth:`submit`'s coroutines for an engine that schedules itself. Fails with the first
+        failure."""
         if isinstance(self.scheduler, Batcher):
             return self.scheduler.enqueue_many([(q, q) for q in queries])
-        return asyncio.gather(*(self.scheduler.submit(q, q) for q in queries))
+        return asyncio.gather(*(self.submit(q) for q in queries))
 
     def ask_sync(self, queries: list[Query]) -> list:
         """Results of checked queries, computed on the calling thread in one batch (a query
