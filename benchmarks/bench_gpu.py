@@ -109,9 +109,10 @@ def contexts_at(prompt: list[int], trace, upto: int) -> list[list[int]]:
     return parts
 
 
-def _profile_steps(lm, prompt, trace, device, k: int = 4) -> dict:
+def _profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15) -> dict:
     """Kernel launches (host runtime calls ``cudaLaunchKernel`` and friends, and graph
-    launches), device kernel time and wall time per step over the trace's first ``k`` steps, on
+    launches), device kernel time, the ``top`` kernels by device time (calls and µs per step)
+    and wall time per step over the trace's first ``k`` steps, on
     ``lm`` freshly cleared (torch profiler; CUDA only)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -132,6 +133,7 @@ def _profile_steps(lm, prompt, trace, device, k: int = 4) -> dict:
         asyncio.run(steps())
     wall = time.perf_counter() - t
     launches = kernel_us = 0.0
+    by_name: dict[str, list[float]] = {}
     for e in prof.events():
         if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
                       "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync",
@@ -139,9 +141,15 @@ def _profile_steps(lm, prompt, trace, device, k: int = 4) -> dict:
             launches += 1
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.device_time
+            got = by_name.setdefault(e.name, [0, 0.0])
+            got[0] += 1
+            got[1] += e.device_time
     k = min(k, len(trace))
+    table = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     return {"launches_per_step": launches / k, "gpu_busy_s_per_step": kernel_us * 1e-6 / k,
-            "gpu_busy_fraction": kernel_us * 1e-6 / wall, "profiled_step_s": wall / k}
+            "gpu_busy_fraction": kernel_us * 1e-6 / wall, "profiled_step_s": wall / k,
+            "kernels": [{"name": n, "calls_per_step": c / k, "us_per_step": us / k}
+                        for n, (c, us) in table]}
 
 
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
@@ -338,6 +346,9 @@ def report(cell: dict) -> str:
                           f" {c.get('decode_graphs_rejected', 0)} rejected,"
                           f" {gib(c['decode_graph_bytes'])}; split {c['decode_split_steps']})")
             lines.append(extra)
+        for kern in c.get("kernels", []):
+            lines.append(f"      {kern['us_per_step']:9.1f} us/step {kern['calls_per_step']:7.1f} "
+                         f"calls/step  {kern['name'][:110]}")
     if "err_genback_vs_loop" in cell:
         lines.append(f"  max |genback - loop| over all rows of the last step: {cell['err_genback_vs_loop']:.2e}")
     return "\n".join(lines)
