@@ -160,6 +160,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     from genback.llm import AsyncTransformer
 
     G.reset_peak(device)
+    decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
     dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window,
                           decode=decode.removesuffix("-dense"))
@@ -177,11 +178,14 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         for parents, tokens in trace:
             parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]  # untimed
             t = time.perf_counter()
-            got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            if api == "batch":  # genlm-control's route: one call, one future
+                got = await lm.batch_next_token_logprobs(parts)
+            else:
+                got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
             host.append(time.perf_counter() - t)
             G._sync(device)   # rows are on the device: their kernels are part of the step
             times.append(time.perf_counter() - t)
-        rows = torch.stack(got).cpu()
+        rows = (got if api == "batch" else torch.stack(got)).cpu()
 
     prof = {}
     try:
@@ -372,7 +376,8 @@ def parse(argv):
     ap.add_argument("--genback", default="auto",
                     help="comma list of AsyncTransformer decode modes to run side by side "
                          "(auto, graphs, eager, off; graphs-dense / eager-dense: without the "
-                         "cascade's shared level, to find where it pays; default auto); the "
+                         "cascade's shared level, to find where it pays; a suffix /batch asks each step "
+                         "in one batch_next_token_logprobs call; default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: also profile 4 steps per genback run (launches, GPU busy time)")
