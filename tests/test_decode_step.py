@@ -211,7 +211,7 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
     over the real prefix keys; the padding past the prefix is masked, whatever its values."""
     from types import SimpleNamespace
 
-    from genback.runners.hf.decode.cascade import _prefix_attention, _splits
+    from genback.runners.hf.decode.cascade import _merge_chunks, _prefix_chunks, _splits
 
     from genback.runners.hf.cache.kv_pool import KVPool
 
@@ -228,8 +228,10 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
     b.bias0[..., :prefix] = 0
     store[:, :, 0] = 1e4  # the dummy slot the padding reads: large, and masked
     q = torch.randn(rows, Hkv, groups, D)
-    out, lse = _prefix_attention(0, b, q, 0.25)
-    assert _splits(Pb, Hkv, rows * groups) > 1 or Pb == 256
+    o, l = _prefix_chunks(0, b, q, 0.25)
+    assert o.shape[0] == _splits(Pb, Hkv, rows * groups) and (o.shape[0] > 1 or Pb == 256)
+    out = _merge_chunks(o, l).view(Hkv, rows, groups, D).transpose(0, 1)
+    lse = torch.logsumexp(l, 0).view(Hkv, rows, groups).transpose(0, 1)
     k, v = store[0][:, slots].double(), store[1][:, slots].double()  # [Hkv, P, D]
     scores = torch.einsum("rhgd,hpd->rhgp", q.double(), k) * 0.25
     want = torch.einsum("rhgp,hpd->rhgd", torch.softmax(scores, -1), v)

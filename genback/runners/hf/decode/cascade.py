@@ -12,7 +12,9 @@ cascade attention):
   queries stacked in one product, split into chunks attended in parallel (split-K);
 * level 1: each row's own slots and its new token, as a ``[R, W]`` slot table with an additive
   bias (0 attend, -inf padding);
-* the two merged by log-sum-exp (:func:`..forward.attention._merge`).
+* level 1's result joined to level 0's chunks as one more chunk, and all merged by
+  log-sum-exp at once (:func:`_merge_chunks`: a softmax over the chunks' LSEs weights their
+  outputs).
 """
 
 from __future__ import annotations
@@ -127,8 +129,14 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     kv = b.pool.gather(layer, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
     out, lse = tree_attention._attend(qg, kv[0], kv[1], scale, "flash", b.bias1)
     if b.prefix is not None:  # level 0: the shared prefix, read once for all rows
-        o0, l0 = _prefix_attention(layer, b, qg, scale)
-        out, lse = tree_attention._merge(out.float(), lse, o0, l0)
+        N = Rb * G
+        o0, l0 = _prefix_chunks(layer, b, qg, scale)  # [S, Hkv, N, D], [S, Hkv, N]
+        # level 1 as one more chunk: one softmax-weighted sum merges all S + 1 parts
+        o = torch.cat([o0, out.transpose(0, 1).reshape(1, Hkv, N, D)])
+        lses = torch.cat([l0, lse.transpose(0, 1).reshape(1, Hkv, N)])
+        merged = _merge_chunks(o, lses).view(Hkv, Rb, G, D).transpose(0, 1)
+        out = torch.empty((Rb, Hkv, G, D), dtype=query.dtype, device=query.device)
+        out.copy_(merged)
     out = out.to(query.dtype).reshape(Rb, Hq, 1, D)
     return out.transpose(1, 2).contiguous(), None
 
@@ -146,10 +154,21 @@ def _splits(Pb: int, Hkv: int, queries: int) -> int:
     return max(1, min(Pb // 256, SPLIT_TARGET_BLOCKS // tiles))
 
 
-def _prefix_attention(layer: int, b: DecodeBuffers, qg, scale: float):
-    """Level 0: every row's queries over the shared prefix, split into chunks attended in
-    parallel and merged by log-sum-exp (split-K, FlashAttention's "flash-decoding", Dao et al.
-    2023), returning float32 ``(out [Rb, Hkv, G, D], lse [Rb, Hkv, G])``.
+def _merge_chunks(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Attention over keys split into chunks, from each chunk's result ``o`` ``[S, H, N, D]``
+    (any float dtype) and float32 log-sum-exp ``lse`` ``[S, H, N]``: float32 ``[H, N, D]``,
+    ``sum_s softmax_s(lse)[s] * o[s]`` (the log-sum-exp merge of :mod:`..forward.attention`, for
+    S parts at once: a softmax, a product, a sum). Every query must have a finite ``lse`` in at
+    least one chunk."""
+    w = torch.softmax(lse, dim=0)
+    return (w[..., None] * o).sum(dim=0)
+
+
+def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
+    """Level 0: every row's queries over the shared prefix, split into ``S`` chunks attended in
+    parallel (split-K, FlashAttention's "flash-decoding", Dao et al. 2023), for
+    :func:`_merge_chunks`: ``(o [S, Hkv, Rb * G, D]`` of the queries' dtype, ``lse`` float32
+    ``[S, Hkv, Rb * G])``, query ``r * G + g`` of KV head ``h`` being row ``r``'s head ``h * G + g``.
 
     qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` and bias ``b.bias0``."""
     Rb, Hkv, G, D = qg.shape
@@ -163,12 +182,4 @@ def _prefix_attention(layer: int, b: DecodeBuffers, qg, scale: float):
     if S > 1:
         q0 = q0.expand(S, -1, -1, -1).contiguous()
     bias0 = b.bias0.view(S, 1, 1, C).expand(S, 1, Rb * G, C)
-    o0, l0 = tree_attention._attend(q0, k0, v0, scale, "flash", bias0)  # [S, Hkv, RbG, D]
-    if S > 1:
-        total = torch.logsumexp(l0, dim=0)  # [Hkv, RbG]
-        o0 = (torch.exp(l0 - total)[..., None] * o0.float()).sum(dim=0)
-        l0 = total
-    else:
-        o0, l0 = o0[0].float(), l0[0]
-    o0 = o0.reshape(Hkv, Rb, G, D).transpose(0, 1)
-    return o0, l0.reshape(Hkv, Rb, G).transpose(0, 1)
+    return tree_attention._attend(q0, k0, v0, scale, "flash", bias0)
