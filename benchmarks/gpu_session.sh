@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?"part: all | tests | 8b | 1b | trie | cascade | long"}
 out=${OUT:-gpu-out}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
@@ -39,7 +39,7 @@ cells() {  # shape particles prompts: new code (graphs, tree path), then the old
   fi
   if [ -d _old/benchmarks ] && [ "${WHICH:-both}" != new ]; then
     (cd _old && python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" \
-      --no-loop --json "../$out/$1-old.json") 2>&1 | tee "$out/$1-old.log"
+      --no-loop --json "$out/$1-old.json") 2>&1 | tee "$out/$1-old.log"
   fi
 }
 
@@ -48,7 +48,7 @@ case "$part" in
         # BUDGET seconds (default 560); after each part the logs so far are packed into
         # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
     raw=/tmp/gpu-raw; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
-    for step in tests::150 8b:new:240 1b:new:150 trie::60 8b:old:120 1b:old:90 cascade::150 long::200; do
+    for step in tests::150 8b:new:200 1b:new:120 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -58,8 +58,10 @@ case "$part" in
       tail -n 40 "$raw/$p-${which:-all}.out"
       tar -czf "$out/gpu.tgz" -C "$raw" .
     done ;;
-  tests)
-    python3 -m pytest -q -o addopts="" -p no:cacheprovider tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
+  tests)  # (SmolLM2's package, a 94 MB GGUF, is over the 64 MiB a call carries: its one test is left out here)
+    python3 -m pytest -q -o addopts="" -p no:cacheprovider \
+      --deselect tests/test_decode_step.py::test_smollm2_eager_decode_steps_equal_uncached \
+      tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
       tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
   8b) cells llama-3.1-8b 16,256 1000,4000 ;;
   1b) cells llama-3.2-1b 16,256 1000,4000 ;;
