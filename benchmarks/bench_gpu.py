@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -162,7 +163,7 @@ def _profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15) -> dict
 
 
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
-                profile_steps=False) -> dict:
+                profile_steps=False, collect_between=False) -> dict:
     """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
     to the host after the timing): float32 CPU ``[N, V]``; the host's part of each step (until
     ``gather`` returns, before the device synchronisation)."""
@@ -194,6 +195,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             host.append(time.perf_counter() - t)
             G._sync(device)   # rows are on the device: their kernels are part of the step
             times.append(time.perf_counter() - t)
+            if collect_between:  # the caller's new context lists, collected outside the step
+                gc.collect(1)
         rows = (got if api == "batch" else torch.stack(got)).cpu()
 
     prof = {}
@@ -294,7 +297,8 @@ def run_cell(model, tokenizer, device, dev_rates, n, p, args, seed) -> dict:
     results = {}
     for i, decode in enumerate(args.genback):
         results["genback" if i == 0 else f"genback[{decode}]"] = run_genback(
-            model, tokenizer, prompt, trace, device, args.batch_window, decode, args.profile)
+            model, tokenizer, prompt, trace, device, args.batch_window, decode, args.profile,
+            args.collect_between)
     fits, need = loop_fits(model, n, p, args.steps, device)
     cell["loop_kv_bytes"] = need
     if fits and not args.no_loop:
@@ -391,6 +395,11 @@ def parse(argv):
                          "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: also profile 4 steps per genback run (launches, GPU busy time)")
+    ap.add_argument("--collect-between", action="store_true",
+                    help="collect the caller's new context lists (gc.collect(1)) between steps, "
+                         "outside the timed step, as bench_host.py does: genback's own host "
+                         "time without the caller's cyclic GC (default: the collector runs "
+                         "inside the steps, as in a plain SMC loop)")
     ap.add_argument("--json", default=None, help="write the cells (and device facts) here")
     args = ap.parse_args(argv)
     tiny = args.tiny
