@@ -50,7 +50,7 @@ case "$part" in
   all)  # everything in one call, most wanted first, each part bounded by what is left of
         # BUDGET seconds (default 560); after each part the logs so far are packed into
         # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
-    raw=/tmp/gpu-raw; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
+    raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
     for step in tests::150 8b:new:200 1b:new:120 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
@@ -60,7 +60,8 @@ case "$part" in
       echo "== $p ${which}: rc $? after $((SECONDS - start)) s"
       tail -n 40 "$raw/$p-${which:-all}.out"
       tar -czf "$out/gpu.tgz" -C "$raw" .
-    done ;;
+    done
+    python3 benchmarks/gpu_summary.py "$raw" | tee "$out/summary.md" ;;  # (the reply's tail)
   tests)  # (SmolLM2's package, a 94 MB GGUF, is over the 64 MiB a call carries: its one test is left out here)
     python3 -m pytest -q -o addopts="" -p no:cacheprovider \
       --deselect tests/test_decode_step.py::test_smollm2_eager_decode_steps_equal_uncached \

@@ -105,3 +105,36 @@ def test_the_dense_decode_mode_runs_the_decode_step_without_its_shared_level():
     for name in ("genback", "genback[eager-dense]"):
         assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
+
+
+def test_session_summary_lists_every_cell_and_the_old_codes_ratio(tmp_path):
+    """``gpu_summary.py`` over a session's folder: one table per bench_gpu.py file, a row per
+    method and cell with its figures, "vs old" from the old code's file beside the new one, and
+    other JSON (the trie's) or unreadable files passed over."""
+    import json
+
+    import gpu_summary
+
+    new = tmp_path / "tiny-new.json"
+    bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "3", "--prompts", "20,40",
+                    "--steps", "3", "--resample", "2", "--no-loop", "--genback", "eager,off",
+                    "--json", str(new)])
+    data = json.loads(new.read_text())
+    old = json.loads(new.read_text())
+    for cell in old["cells"]:  # the old code at half the rate
+        cell["genback"]["particle_tokens_per_s"] /= 2
+    (tmp_path / "tiny-old.json").write_text(json.dumps(old))
+    (tmp_path / "trie.json").write_text(json.dumps({"vocabs": []}))
+    (tmp_path / "broken.json").write_text("{")
+    text = gpu_summary.summary(tmp_path)
+    assert text.count("### ") == 1 and "tiny-new.json" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 3 x ")]
+    assert [r.split(" | ")[:2] for r in rows] == [
+        ["| 3 x 20", "genback"], ["| 3 x 20", "genback[off]"],
+        ["| 3 x 40", "genback"], ["| 3 x 40", "genback[off]"]]
+    for r, cell in zip(rows[::2], data["cells"]):
+        cols = r.strip("| ").split(" | ")
+        assert cols[2] == f"{cell['genback']['particle_tokens_per_s']:.0f}"
+        assert cols[-1] == "2.00x"  # the new default method's mean over the old one's
+    assert all(r.rstrip(" |").endswith("| -") for r in rows[1::2])  # no old figure for off
+    assert gpu_summary.summary(tmp_path / "none").startswith("no bench_gpu.py JSON")
