@@ -4,9 +4,10 @@
 end of its output) holds every cell's figures; the files themselves come back packed. Per file
 and cell: each method's particle-tokens/s in the mean over the trace (captures included) and in
 steady state (the median step), the host's median ms per step, the GPU's busy ms per step and
-the launches per step where profiled (with the captures that fell inside the profile), captures, and the error against uncached rows. A file
-``<shape>-old.json`` beside ``<shape>-new.json`` (the old code, same call) adds a "vs old"
-column: the new default method's mean over the old one's.
+the launches per step where profiled (with the captures that fell inside the profile), the
+captures, and the error against uncached rows. A file ``<shape>-old.json`` beside
+``<shape>-new.json`` (the old code, same call) adds a "vs old" column: the new default method's
+mean over the old one's.
 
 Usage: ``python benchmarks/gpu_summary.py OUT_DIR`` (every ``*.json`` of bench_gpu.py in it).
 """
@@ -38,7 +39,8 @@ def table(data: dict, old: dict | None = None) -> str:
                    "-" if steady is None else f"{steady:.0f}",
                    "-" if "steady_step_s" not in g else f"{g['steady_step_s'] * 1e3:.2f}",
                    "-" if "host_median_s" not in g else f"{g['host_median_s'] * 1e3:.2f}",
-                   "-" if "gpu_busy_s_per_step" not in g else f"{g['gpu_busy_s_per_step'] * 1e3:.2f}",
+                   "-" if "gpu_busy_s_per_step" not in g
+                   else f"{g['gpu_busy_s_per_step'] * 1e3:.2f}",
                    "-" if "launches_per_step" not in g else (
                        f"{g['launches_per_step']:.0f}" + (f" ({g['captures_in_profile']} cap.)"
                                                           if g.get("captures_in_profile") else "")),

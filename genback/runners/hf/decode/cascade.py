@@ -168,7 +168,8 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     """Level 0: every row's queries over the shared prefix, split into ``S`` chunks attended in
     parallel (split-K, FlashAttention's "flash-decoding", Dao et al. 2023), for
     :func:`_merge_chunks`: ``(o [S, Hkv, Rb * G, D]`` of the queries' dtype, ``lse`` float32
-    ``[S, Hkv, Rb * G])``, query ``r * G + g`` of KV head ``h`` being row ``r``'s head ``h * G + g``.
+    ``[S, Hkv, Rb * G])``, query ``r * G + g`` of KV head ``h`` being row ``r``'s head
+    ``h * G + g``.
 
     qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` and bias ``b.bias0``."""
     Rb, Hkv, G, D = qg.shape
