@@ -74,11 +74,26 @@ def _brute(paths: list[Path], min_shared: int):
     return shared, private
 
 
-def _check_split(pool, paths, min_shared, m, shared, private):
+def _by_paths(shared: dict) -> dict:
+    """``{(path indices): sorted slots}``: the slots each set of paths shares, whatever the
+    segments' boundaries."""
+    out: dict = {}
+    for (start, length), idx in shared.items():
+        out.setdefault(tuple(idx), []).extend(range(start, start + length))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _check_split(pool, paths, min_shared, m, shared, private, exact_bounds=True):
     """``split_segments``' answer against :func:`_brute`, each path's KV read back token by
-    token, and the private layout against concatenation."""
+    token, and the private layout against concatenation. ``exact_bounds=False``: the shared
+    slots of each set of paths must agree, not where segments begin and end (a call with
+    anchors may keep the joined segment of the common nodes it found last time after an
+    insertion split one of them: the same slots, one run, read once)."""
     want_shared, want_private = _brute(paths, min_shared)
-    assert {_key(slots): idx for slots, idx in shared} == want_shared
+    got_shared = {_key(slots): idx for slots, idx in shared}
+    assert got_shared == want_shared or (
+        not exact_bounds and _by_paths(got_shared) == _by_paths(want_shared)), (
+        got_shared, want_shared)
     got_private = [[_key(private.segs[j]) for j in row if j >= 0]
                    for row in private.chains.tolist()]
     assert got_private == want_private
@@ -145,9 +160,10 @@ def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_sh
             if compact:
                 tree.compact(node)
     _check_split(pool, paths, min_shared, m, *split_segments(paths, min_shared))
-    _check_split(pool, paths, min_shared, m, *split_segments(paths, min_shared, anchors=anchors))
+    _check_split(pool, paths, min_shared, m, *split_segments(paths, min_shared, anchors=anchors),
+                 exact_bounds=False)
     _check_split(pool, paths[::-1], min_shared, m,
-                 *split_segments(paths[::-1], min_shared, anchors=anchors))
+                 *split_segments(paths[::-1], min_shared, anchors=anchors), exact_bounds=False)
     for p in paths:
         tree.release(p.holder)
 
