@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_models as G  # noqa: E402
+from gpu_profile import profile_steps  # noqa: E402
 
 TOKEN_CHOICES = 64  # the Zipf law's support for appended tokens
 
@@ -110,58 +111,6 @@ def contexts_at(prompt: list[int], trace, upto: int) -> list[list[int]]:
     return parts
 
 
-def _profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15) -> dict:
-    """Kernel launches (host runtime calls ``cudaLaunchKernel`` and friends, and graph
-    launches), device kernel time, the ``top`` kernels by device time (calls and µs per step)
-    and wall time per step over ``k`` steps of the trace, on ``lm`` freshly cleared (torch
-    profiler; CUDA only). The trace's first ``k`` steps run unprofiled first and the next ``k``
-    are profiled, where the trace is that long (else the first ``k``), so that the profile sees
-    replays; ``captures_in_profile`` counts the captures that still fell inside it (their eager
-    warm-up and check forwards are then in the figures)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    lm.clear_kv_cache()
-    lm.clear_cache()
-    lm.cache_kv(prompt)
-    G._sync(device)
-    warm = k if len(trace) >= 2 * k else 0
-    state = {"parts": [list(prompt) for _ in trace[0][0]]}
-
-    async def steps(part):
-        for parents, tokens in part:
-            state["parts"] = [state["parts"][q] + [t]
-                              for q, t in zip(parents.tolist(), tokens.tolist())]
-            await asyncio.gather(*(lm.next_token_logprobs(c) for c in state["parts"]))
-            G._sync(device)
-
-    asyncio.run(steps(trace[:warm]))
-    captures = lm.cache_info().get("decode_captures", 0)
-    t = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        asyncio.run(steps(trace[warm:warm + k]))
-    wall = time.perf_counter() - t
-    captures = lm.cache_info().get("decode_captures", 0) - captures
-    launches = kernel_us = 0.0
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
-                      "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync",
-                      "cudaMemsetAsync"):
-            launches += 1
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernel_us += e.device_time
-            got = by_name.setdefault(e.name, [0, 0.0])
-            got[0] += 1
-            got[1] += e.device_time
-    k = min(k, len(trace) - warm)
-    table = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"launches_per_step": launches / k, "gpu_busy_s_per_step": kernel_us * 1e-6 / k,
-            "gpu_busy_fraction": kernel_us * 1e-6 / wall, "profiled_step_s": wall / k,
-            "captures_in_profile": captures,
-            "kernels": [{"name": n, "calls_per_step": c / k, "us_per_step": us / k}
-                        for n, (c, us) in table]}
-
-
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
                 profile_steps=False, collect_between=False) -> dict:
     """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
@@ -205,7 +154,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         info = lm.cache_info()
         peak = G.peak_memory(device)
         if profile_steps and device.type == "cuda":
-            prof = _profile_steps(lm, prompt, trace, device)
+            prof = profile_steps(lm, prompt, trace, device)
     finally:
         lm.close()
     out = {"prefill_s": prefill, "step_s": times, "host_s": float(np.mean(host)),
@@ -394,7 +343,8 @@ def parse(argv):
                          "in one batch_next_token_logprobs call; default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",
-                    help="CUDA: also profile 4 steps per genback run (launches, GPU busy time)")
+                    help="CUDA: also profile 4 steps per genback run, after 4 warm ones "
+                         "(launches, GPU busy time, the top kernels; gpu_profile.py)")
     ap.add_argument("--collect-between", action="store_true",
                     help="collect the caller's new context lists (gc.collect(1)) between steps, "
                          "outside the timed step, as bench_host.py does: genback's own host "

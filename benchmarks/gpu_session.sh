@@ -37,8 +37,8 @@ python3 -c "import torch, transformers; print(torch.__version__, transformers.__
 cells() {  # shape particles prompts: new code (graphs, tree path), then the old code
   # (WHICH=new or WHICH=old runs one of the two)
   if [ "${WHICH:-both}" != old ]; then
-  python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" --no-loop \
-    --genback auto,off --profile --json "$out/$1-new.json" 2>&1 | tee "$out/$1-new.log"
+    python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" --no-loop \
+      --genback auto,off --profile --json "$out/$1-new.json" 2>&1 | tee "$out/$1-new.log"
   fi
   if [ -d _old/benchmarks ] && [ "${WHICH:-both}" != new ]; then
     (cd _old && python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" \
