@@ -38,7 +38,9 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   shared core;
 - ``host/step ms``: the same per step (host/q x N): what a step's forward waits for on the host
   (issue 38's targets: <= 0.4 ms at 16 particles, <= 25 µs per query at 256);
-- ``caller/q``: CPU time of the event-loop thread (query submission, output cache, futures, asyncio);
+- ``caller/q``: CPU time of the event-loop thread outside the model's forward (query submission,
+  output cache, futures, asyncio; and a step's batch when it runs on the loop's thread, the
+  batcher's ``inline_cohort``);
 - ``worker/q``: CPU time of the worker thread(s) outside the model's forward (worker CPU minus forward
   CPU: batching, input checks, KV-tree matching, planning, row extraction, committing KV);
 - ``gc/q``: wall time of Python's cyclic garbage collections during the step, whichever thread ran
@@ -187,6 +189,7 @@ class ForwardTimer:
         self.wall = self.cpu = 0.0
         self.calls = 0
         self.threads: set[int] = set()
+        self.cpu_by_thread: dict[int, float] = {}  # forward CPU by the thread that ran it
         self._start = threading.local()
         self._handles = [model.register_forward_pre_hook(self._pre),
                          model.register_forward_hook(self._post)]
@@ -197,9 +200,12 @@ class ForwardTimer:
     def _post(self, module, args, output):
         wall, cpu = self._start.t
         self.wall += time.perf_counter() - wall
-        self.cpu += time.thread_time() - cpu
+        cpu = time.thread_time() - cpu
+        self.cpu += cpu
         self.calls += 1
-        self.threads.add(threading.get_ident())
+        me = threading.get_ident()
+        self.threads.add(me)
+        self.cpu_by_thread[me] = self.cpu_by_thread.get(me, 0.0) + cpu
 
     def remove(self):
         for h in self._handles:
@@ -245,8 +251,8 @@ def _thread_cpu() -> dict[int, float]:
 class StepClock:
     """Accumulates the clocks of the measured steps (see the module docstring)."""
 
-    FIELDS = ("wall", "fwd_wall", "fwd_cpu", "caller", "worker", "process", "forwards",
-              "queries", "steps", "gc")
+    FIELDS = ("wall", "fwd_wall", "fwd_cpu", "fwd_caller", "caller", "worker", "process",
+              "forwards", "queries", "steps", "gc")
 
     def __init__(self, timer: ForwardTimer, lm, gc_clock: GcClock | None = None,
                  api: str = "gather"):
@@ -258,6 +264,8 @@ class StepClock:
     async def step(self, contexts):
         timer, lm = self.timer, self.lm
         f0, fw0, fc0 = lm.cache_info()["forwards"], timer.wall, timer.cpu
+        me = threading.get_ident()
+        fm0 = timer.cpu_by_thread.get(me, 0.0)  # (a step run on the loop's own thread)
         threads0 = _thread_cpu()
         g0 = self.gc.total if self.gc else 0.0
         p0, c0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
@@ -270,6 +278,7 @@ class StepClock:
         t["process"] += p1 - p0
         t["fwd_wall"] += timer.wall - fw0
         t["fwd_cpu"] += timer.cpu - fc0
+        t["fwd_caller"] += timer.cpu_by_thread.get(me, 0.0) - fm0
         t["worker"] += sum(threads1[i] - threads0.get(i, 0.0) for i in threads1
                            if i in timer.threads)
         t["forwards"] += lm.cache_info()["forwards"] - f0
@@ -282,11 +291,14 @@ class StepClock:
         t, q = self.t, max(self.t["queries"], 1)
         us = 1e6 / q
         host = t["wall"] - t["fwd_wall"]
-        worker = t["worker"] - t["fwd_cpu"]
+        # forwards run on the worker thread, or on the caller's (a batch run inline: see
+        # genback.batcher): each thread's CPU outside them
+        caller = t["caller"] - t["fwd_caller"]
+        worker = t["worker"] - (t["fwd_cpu"] - t["fwd_caller"])
         other = t["process"] - t["caller"] - t["worker"]
         return dict(wall=t["wall"] * us, fwd=t["fwd_wall"] * us, host=host * us,
-                    caller=t["caller"] * us, worker=worker * us, other=other * us,
-                    idle=(host - t["caller"] - worker - other) * us,
+                    caller=caller * us, worker=worker * us, other=other * us,
+                    idle=(host - caller - worker - other) * us,
                     share=host / t["wall"] if t["wall"] else 0.0, gc=t["gc"] * us,
                     fwd_per_step=t["forwards"] / max(t["steps"], 1), queries=int(t["queries"]))
 

@@ -18,7 +18,12 @@ the batch is dispatched when
 and, in all cases, only once the previous batch of that loop has finished: while the worker
 computes, new queries keep joining the next batch (so batches grow under load instead of queueing).
 
-The computation runs on one worker thread, so the event loop keeps serving while the model runs.
+The computation runs on one worker thread, so the event loop keeps serving while the model runs;
+but a batch that goes because its cohort is in runs on that event loop's own thread
+(``inline_cohort``, on by default): every caller of the loop that asks in lockstep is waiting
+for it, so the loop has nothing to serve meanwhile, and the two thread hand-offs (waking the
+worker, then the loop) leave the step's critical path. Batches that go for their window or
+because they are full still run on the worker.
 Queries with an identical ``key`` in one pending batch are computed once and every caller gets the
 result. A computation that raises fails exactly the callers of its batch; a result that is an
 exception instance fails exactly the callers of that query. A caller cancelled before
@@ -39,6 +44,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
+from .pending import Entry, LoopState
 from .query_group import Member, QueryGroup
 
 
@@ -49,40 +55,6 @@ class BatchAbandoned(RuntimeError):
 
 class BatcherClosed(BatchAbandoned):
     """Raised to callers of a batcher that was closed or reset (a :class:`BatchAbandoned`)."""
-
-
-class _Entry:
-    __slots__ = ("query", "waiters")
-
-    def __init__(self, query, waiter):
-        self.query = query
-        # each caller's future, or a member of a caller's QueryGroup (answers as a future does)
-        self.waiters = [waiter]
-
-    def live(self) -> bool:
-        for f in self.waiters:  # (a loop: no generator per call)
-            if not f.done():
-                return True
-        return False
-
-
-class _LoopState:
-    """Pending batch and dispatch state of one event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.pending: dict[Hashable, _Entry] = {}
-        self.timer: asyncio.TimerHandle | None = None
-        self.window_expired = False
-        self.busy = False
-        self.callers = 0  # callers of the pending batch (a query asked twice counts twice)
-        self.sizes = (0, 0)  # callers of the last two batches dispatched (0: none yet)
-        self.check_queued = False  # a _check_cohort is queued on the loop
-
-    def cohort_in(self) -> bool:
-        """Whether the pending batch has as many callers as the larger of the last two had."""
-        target = max(self.sizes)
-        return target > 0 and self.callers >= target
 
 
 class Batcher:
@@ -97,6 +69,8 @@ class Batcher:
         copy: ``copy(result) -> result`` for the second and later callers of one query (the
             same context asked twice in a batch is computed once): each gets its own copy, the
             first caller the result itself. None: every caller gets the same object.
+        inline_cohort: run a batch that goes because its cohort is in on the event loop's
+            thread (False: every batch on the worker thread).
 
     Raises:
         ValueError: a non-positive ``max_batch_size`` or a negative, infinite or NaN ``window``.
@@ -110,22 +84,25 @@ class Batcher:
         max_batch_size: int,
         name: str = "genback-batcher",
         copy: Callable[[Any], Any] | None = None,
+        inline_cohort: bool = True,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) \
                 or max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
         self._compute = compute
         self._copy = copy
+        self.inline_cohort = bool(inline_cohort)
         self.window = self.check_window(window)
         self.max_batch_size = max_batch_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._states: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState]" = (
+        self._states: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopState]" = (
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
         self._last: tuple | None = None  # (loop, its state): the loop that enqueued last
         self._closed = False
         self.batches = 0  # dispatched batches
+        self.inline_batches = 0  # of which run on the event loop's thread (inline_cohort)
         self.queries = 0  # distinct queries computed
 
     @staticmethod
@@ -175,14 +152,14 @@ class Batcher:
         self._after_add(state, loop, ready, check)
         return group.future
 
-    def _open_state(self) -> tuple[asyncio.AbstractEventLoop, _LoopState]:
+    def _open_state(self) -> tuple[asyncio.AbstractEventLoop, LoopState]:
         if self._closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         loop = asyncio.get_running_loop()
         last = self._last  # (one read: the pair is replaced whole, never mutated)
         return loop, (last[1] if last is not None and last[0] is loop else self._state(loop))
 
-    def _add(self, state: _LoopState, loop, key: Hashable, query: Any, sink) -> None:
+    def _add(self, state: LoopState, loop, key: Hashable, query: Any, sink) -> None:
         """Join ``query`` (its caller's ``sink``: a future or a group's member) to ``state``'s
         pending batch; under the lock."""
         state.callers += 1
@@ -195,9 +172,9 @@ class Batcher:
                 if not state.window_expired and state.timer is None:
                     state.timer = loop.call_later(self.window, self._on_window, state)
             # a replaced entry had only cancelled callers
-            state.pending[key] = _Entry(query, sink)
+            state.pending[key] = Entry(query, sink)
 
-    def _decide(self, state: _LoopState) -> tuple[bool, bool]:
+    def _decide(self, state: LoopState) -> tuple[bool, bool]:
         """``(ready, check)`` after queries joined: the batch can go now; a cohort check is to
         be queued (then marked queued). Under the lock."""
         ready = state.window_expired or len(state.pending) >= self.max_batch_size
@@ -206,7 +183,7 @@ class Batcher:
             state.check_queued = True
         return ready, check
 
-    def _after_add(self, state: _LoopState, loop, ready: bool, check: bool) -> None:
+    def _after_add(self, state: LoopState, loop, ready: bool, check: bool) -> None:
         if ready:  # (otherwise the window's timer, the cohort check or the running batch's end)
             self._maybe_dispatch(state)
         elif check:  # runs once every callback ready now has run (each caller that could query)
@@ -263,29 +240,32 @@ class Batcher:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+    def _state(self, loop: asyncio.AbstractEventLoop) -> LoopState:
         with self._lock:
             state = self._states.get(loop)
             if state is None:
-                state = self._states[loop] = _LoopState(loop)
+                state = self._states[loop] = LoopState(loop)
             self._last = (loop, state)
             return state
 
-    def _check_cohort(self, state: _LoopState) -> None:
+    def _check_cohort(self, state: LoopState) -> None:
         with self._lock:
             state.check_queued = False
             if not state.cohort_in():
                 return  # (a later query queues another check; the window still runs)
             state.window_expired = True  # (its wait is over: dispatch now, or when not busy)
-        self._maybe_dispatch(state)
+        self._maybe_dispatch(state, cohort=True)
 
-    def _on_window(self, state: _LoopState) -> None:
+    def _on_window(self, state: LoopState) -> None:
         with self._lock:
             state.timer = None
             state.window_expired = True
         self._maybe_dispatch(state)
 
-    def _maybe_dispatch(self, state: _LoopState) -> None:
+    def _maybe_dispatch(self, state: LoopState, cohort: bool = False) -> None:
+        """Dispatch ``state``'s pending batch if it may go now. ``cohort``: called on the
+        loop's thread because the batch's cohort is in (then it runs there, when
+        ``inline_cohort``)."""
         with self._lock:
             if state.busy or not state.pending:
                 return
@@ -300,13 +280,17 @@ class Batcher:
             state.sizes = (state.sizes[1], callers)
         self.batches += 1
         self.queries += len(batch)
+        if cohort and self.inline_cohort:
+            self.inline_batches += 1
+            self._run_inline(state, batch)
+            return
         try:
             self._executor.submit(self._work, state, batch)
         except RuntimeError as exc:  # executor shut down
             state.busy = False
             _fail(batch, BatcherClosed(str(exc)))
 
-    def _work(self, state: _LoopState, batch: list[_Entry]) -> None:
+    def _work(self, state: LoopState, batch: list[Entry]) -> None:
         """The worker thread's part: compute the batch and hand the outcome to the loop's
         thread in one ``call_soon_threadsafe`` (``run_in_executor``'s future chained to an
         asyncio future took one more turn of the loop: ~15-25 µs more per batch, median of 600
@@ -321,8 +305,21 @@ class Batcher:
         except RuntimeError:  # the loop was closed meanwhile: nobody is left to answer
             pass
 
-    def _take_batch(self, state: _LoopState) -> list[_Entry]:
-        batch: list[_Entry] = []
+    def _run_inline(self, state: LoopState, batch: list[Entry]) -> None:
+        """Compute ``batch`` on the loop's thread and answer its callers (as :meth:`_work` and
+        :meth:`_finish` do on the two threads). A ``KeyboardInterrupt`` or ``SystemExit`` fails
+        the batch's callers, then goes on up."""
+        results = exc = None
+        try:
+            results = self._compute([e.query for e in batch])
+        except BaseException as e:  # fails exactly this batch's callers
+            exc = e
+        self._finish(state, batch, results, exc)
+        if exc is not None and not isinstance(exc, Exception):
+            raise exc
+
+    def _take_batch(self, state: LoopState) -> list[Entry]:
+        batch: list[Entry] = []
         for key in list(state.pending):
             entry = state.pending[key]
             if not entry.live():  # all of its callers were cancelled: drop it, never compute it
@@ -340,7 +337,7 @@ class Batcher:
         # else: the rest has waited at least as long as this batch; it goes as soon as it can
         return batch
 
-    def _finish(self, state: _LoopState, batch: list[_Entry], results, exc) -> None:
+    def _finish(self, state: LoopState, batch: list[Entry], results, exc) -> None:
         if exc is not None:
             _fail(batch, exc)
         else:
@@ -366,15 +363,16 @@ class Batcher:
         # lockstep (decoding requests, particles) stay in one batch instead of two cohorts
         state.loop.call_soon(self._release, state)
 
-    def _release(self, state: _LoopState) -> None:
+    def _release(self, state: LoopState) -> None:
         with self._lock:
             state.busy = False
-            if state.cohort_in():  # the callers just answered are back with their next queries
+            cohort = state.cohort_in()
+            if cohort:  # the callers just answered are back with their next queries
                 state.window_expired = True
-        self._maybe_dispatch(state)
+        self._maybe_dispatch(state, cohort)
 
 
-def _fail(entries: list[_Entry], exc: BaseException) -> None:
+def _fail(entries: list[Entry], exc: BaseException) -> None:
     for entry in entries:
         for f in entry.waiters:
             if not f.done():

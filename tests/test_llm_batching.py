@@ -135,6 +135,84 @@ async def test_a_lockstep_cohort_goes_without_waiting_for_its_window(tiny_hf, gp
         await lm.aclose()
 
 
+def _record_threads(lm) -> list:
+    """Wrap ``lm``'s runner so that each batch notes the thread it runs on; return the list."""
+    threads, run = [], lm.runner.run
+
+    def recording_run(queries):
+        threads.append(threading.current_thread())
+        return run(queries)
+
+    lm.runner.run = recording_run
+    return threads
+
+
+async def test_a_lockstep_step_runs_on_the_loop_thread_with_the_same_rows(tiny_hf, gpt2_tok):
+    """A batch that goes because its cohort is in runs on the event loop's own thread (no
+    thread hand-off; ``inline_batches`` counts them), the loop's first batch (it went for its
+    window) on the worker; with ``inline_cohort`` off every batch runs on the worker. The rows,
+    forwards and tokens forwarded of the two traces are equal, bit for bit."""
+    me = threading.current_thread()
+    traces = {}
+    for inline in (True, False):
+        lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+        lm.scheduler.inline_cohort = inline
+        threads = _record_threads(lm)
+        try:
+            particles = await _cohort_of(lm, 8)
+            rows = []
+            for step in range(4):
+                particles = [p + [10 + step] for p in particles]
+                if step == 2:  # resampled: four distinct contexts, each asked twice
+                    particles = [particles[i // 2] for i in range(8)]
+                rows.append(torch.stack(await asyncio.gather(
+                    *(lm.next_token_logprobs(c) for c in particles))))
+            info = lm.cache_info()
+            traces[inline] = rows, info["forwards"], info["tokens_forwarded"]
+            assert len(threads) == 5 and threads[0] is not me
+            if inline:
+                assert all(t is me for t in threads[1:])
+                assert lm.scheduler.inline_batches == 4
+            else:
+                assert not any(t is me for t in threads) and lm.scheduler.inline_batches == 0
+        finally:
+            await lm.aclose()
+    (rows_in, *counts_in), (rows_out, *counts_out) = traces[True], traces[False]
+    assert counts_in == counts_out
+    for a, b in zip(rows_in, rows_out):
+        assert torch.equal(a, b)
+
+
+async def test_a_failing_inline_step_fails_its_callers_only_and_the_next_goes_on(
+        tiny_hf, gpt2_tok):
+    """A step run on the loop's thread whose computation raises fails exactly its callers
+    (with that error); the loop and the model go on: the next step runs inline and its rows
+    are exact."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    run, fail = lm.runner.run, [False]
+
+    def flaky_run(queries):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("injected failure")
+        return run(queries)
+
+    lm.runner.run = flaky_run
+    try:
+        particles = [p + [9] for p in await _cohort_of(lm, 4)]
+        fail[0] = True
+        out = await asyncio.gather(*(lm.next_token_logprobs(c) for c in particles),
+                                   return_exceptions=True)
+        assert all(isinstance(e, RuntimeError) and "injected" in str(e) for e in out)
+        assert lm.scheduler.inline_batches == 1
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in particles))
+        assert lm.scheduler.inline_batches == 2
+        for c, row in zip(particles, rows):
+            torch.testing.assert_close(row, lm.next_token_logprobs_uncached(c), rtol=0, atol=1e-5)
+    finally:
+        await lm.aclose()
+
+
 async def test_a_sequential_caller_does_not_wait_for_the_window(tiny_hf, gpt2_tok):
     """A decoding loop (one query at a time) is its own cohort: each query goes at once."""
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)

@@ -1,0 +1,44 @@
+"""The pending state of :class:`genback.batcher.Batcher`: a pending query and its callers
+(:class:`Entry`), and one event loop's pending batch and dispatch state (:class:`LoopState`).
+Guarded by the batcher's lock."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Hashable
+
+
+class Entry:
+    """A pending query and its callers (``waiters``)."""
+
+    __slots__ = ("query", "waiters")
+
+    def __init__(self, query, waiter):
+        self.query = query
+        # each caller's future, or a member of a caller's QueryGroup (answers as a future does)
+        self.waiters = [waiter]
+
+    def live(self) -> bool:
+        for f in self.waiters:  # (a loop: no generator per call)
+            if not f.done():
+                return True
+        return False
+
+
+class LoopState:
+    """Pending batch and dispatch state of one event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: dict[Hashable, Entry] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.window_expired = False
+        self.busy = False
+        self.callers = 0  # callers of the pending batch (a query asked twice counts twice)
+        self.sizes = (0, 0)  # callers of the last two batches dispatched (0: none yet)
+        self.check_queued = False  # a _check_cohort is queued on the loop
+
+    def cohort_in(self) -> bool:
+        """Whether the pending batch has as many callers as the larger of the last two had."""
+        target = max(self.sizes)
+        return target > 0 and self.callers >= target
