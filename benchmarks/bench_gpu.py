@@ -120,9 +120,12 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
 
     G.reset_peak(device)
     decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
+    worker = decode.endswith("-worker")  # every batch on the worker thread (no inline step)
+    decode = decode.removesuffix("-worker")
     dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window,
                           decode=decode.removesuffix("-dense"))
+    lm.scheduler.inline_cohort = not worker
     if dense:
         lm.runner.decode_step.min_prefix = sys.maxsize
     times, host, rows = [], [], None
@@ -339,7 +342,9 @@ def parse(argv):
     ap.add_argument("--genback", default="auto",
                     help="comma list of AsyncTransformer decode modes to run side by side "
                          "(auto, graphs, eager, off; graphs-dense / eager-dense: without the "
-                         "cascade's shared level, to find where it pays; a suffix /batch asks each step "
+                         "cascade's shared level, to find where it pays; a suffix -worker runs "
+                         "every step on the batcher's worker thread, as before inline steps; "
+                         "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call; default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",

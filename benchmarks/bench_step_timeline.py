@@ -5,22 +5,25 @@ it in time, at the hand-offs, for the same trace (its tiny model, one shared pro
 sampling its next token, resampling every 3 steps), median over the measured steps (µs):
 
 - ``caller -> dispatch``: from the start of the caller's ``gather`` (or its one
-  ``batch_next_token_logprobs`` call, ``--api batch``) to the batch's hand-off to the worker
-  thread: every caller's query built and checked (the front), the batcher's enqueue, the tasks
-  ``gather`` makes and the loop's turns until the cohort is in;
-- ``dispatch -> compute``: until the worker thread runs the batch (waking it);
-- ``compute``: the front's compute step on the worker (the model's forward included; ``fwd``
-  is the forward alone, timed by hooks on the model);
-- ``compute -> finish``: until the loop's thread answers the batch's callers (the
-  ``call_soon_threadsafe`` wake-up);
+  ``batch_next_token_logprobs`` call, ``--api batch``) to the batch's dispatch: its hand-off to
+  the worker thread, or (the batcher's default for a step whose cohort is in) its run on the
+  loop's own thread: every caller's query built and checked (the front), the batcher's enqueue,
+  the tasks ``gather`` makes and the loop's turns until the cohort is in;
+- ``dispatch -> compute``: until the batch's compute starts (on the worker: waking it);
+- ``compute``: the front's compute step (the model's forward included; ``fwd`` is the forward
+  alone, timed by hooks on the model);
+- ``compute -> finish``: until the loop's thread answers the batch's callers (from the worker:
+  the ``call_soon_threadsafe`` wake-up);
 - ``finish``: the batcher setting every caller's result;
 - ``finish -> caller``: until the caller's ``gather`` returns (its tasks woken, in turn);
 - ``host``: the step's wall time minus the forward's.
 
 The clocks are read by wrapping genback's private hand-off points (the worker pool's ``submit``,
-``Front._compute_owned``, ``Batcher._finish``): a measurement tool, not an API.
+``Batcher._run_inline``, ``Front._compute_owned``, ``Batcher._finish``): a measurement tool, not
+an API.
 
-Run: ``taskset -c 1 python benchmarks/bench_step_timeline.py --particles 1 16 256``.
+Run: ``taskset -c 1 python benchmarks/bench_step_timeline.py --particles 1 16 256`` (``--worker``:
+every batch on the worker thread, the batcher's ``inline_cohort`` off).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class Clocks:
 
         self.t: dict[str, float] = {}
         self.saved = [(concurrent.futures.ThreadPoolExecutor, "submit"),
-                      (front.Front, "_compute_owned"), (batcher.Batcher, "_finish")]
+                      (batcher.Batcher, "_run_inline"), (front.Front, "_compute_owned"),
+                      (batcher.Batcher, "_finish")]
         self.saved = [(cls, name, getattr(cls, name)) for cls, name in self.saved]
         for cls, name, fn in self.saved:
             setattr(cls, name, self._wrap(fn, name))
@@ -73,11 +77,13 @@ class Clocks:
             setattr(cls, name, fn)
 
 
-async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int = 0) -> dict:
+async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int = 0,
+               worker: bool = False) -> dict:
     from genback.llm import AsyncTransformer
 
     clocks, timer = Clocks(), bh.ForwardTimer(model)
     lm = AsyncTransformer(model, tok)
+    lm.scheduler.inline_cohort = not worker
     gen = torch.Generator().manual_seed(seed)
     parts = [bh.text_ids(tok, context)] * n
     times = {p: [] for p in PHASES}
@@ -85,14 +91,16 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
     try:
         for step in range(steps + 3):
             fwd0 = timer.wall
+            t.clear()
             t0 = time.perf_counter()
             rows = await bh.ask(lm, parts, api)
             t1 = time.perf_counter()
             if step >= 3:  # (the prefill and two warm-up steps are not measured)
                 fwd = timer.wall - fwd0
+                dispatch = t.get("_run_inline0", t.get("submit0"))  # (this step's)
                 for name, value in (
-                        ("caller -> dispatch", t["submit0"] - t0),
-                        ("dispatch -> compute", t["_compute_owned0"] - t["submit0"]),
+                        ("caller -> dispatch", dispatch - t0),
+                        ("dispatch -> compute", t["_compute_owned0"] - dispatch),
                         ("compute", t["_compute_owned1"] - t["_compute_owned0"]),
                         ("fwd", fwd),
                         ("compute -> finish", t["_finish0"] - t["_compute_owned1"]),
@@ -115,15 +123,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--context", type=int, default=100)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--api", default="gather", choices=["gather", "batch"])
+    p.add_argument("--worker", action="store_true",
+                   help="every batch on the worker thread (the batcher's inline_cohort off)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model, tok = bh.load("tiny")
-    print(f"tiny model, context {args.context}, {args.steps} steps, api {args.api}; median µs "
-          f"per step\n")
+    print(f"tiny model, context {args.context}, {args.steps} steps, api {args.api}"
+          f"{', every batch on the worker' if args.worker else ''}; median µs per step\n")
     print("| particles | " + " | ".join(PHASES) + " |\n" + "|---" * (len(PHASES) + 1) + "|")
     out = []
     for n in args.particles:
-        r = asyncio.run(cell(model, tok, n, args.context, args.steps, args.api))
+        r = asyncio.run(cell(model, tok, n, args.context, args.steps, args.api,
+                             worker=args.worker))
         out.append(dict(r, particles=n))
         print(f"| {n} | " + " | ".join(f"{r[name]:.0f}" for name in PHASES) + " |", flush=True)
     return out

@@ -34,11 +34,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$out/devi
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
   >> "$out/device.txt" 2>&1
 
-cells() {  # shape particles prompts: new code (graphs, tree path), then the old code
+cells() {  # shape particles prompts [modes]: new code (graphs, tree path), then the old code
   # (WHICH=new or WHICH=old runs one of the two)
   if [ "${WHICH:-both}" != old ]; then
     python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" --no-loop \
-      --genback auto,off --profile --json "$out/$1-new.json" 2>&1 | tee "$out/$1-new.log"
+      --genback "${4:-auto,off}" --profile --json "$out/$1-new.json" 2>&1 | tee "$out/$1-new.log"
   fi
   if [ -d _old/benchmarks ] && [ "${WHICH:-both}" != new ]; then
     (cd _old && python3 benchmarks/bench_gpu.py --shape "$1" --particles "$2" --prompts "$3" \
@@ -68,7 +68,7 @@ case "$part" in
       tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
       tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
   8b) cells llama-3.1-8b 16,256 1000,4000 ;;
-  1b) cells llama-3.2-1b 16,256 1000,4000 ;;
+  1b) cells llama-3.2-1b 16,256 1000,4000 auto,auto-worker,off ;;  # (host-bound: inline vs worker)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;

@@ -20,7 +20,8 @@ What ``AsyncLM`` (its front and parts) calls on a runner, by what the runner dec
 
 Nothing else of a runner is read by the front, the parts or the facade. Every method except
 ``stats``, the engine runner's and the streaming runner's is called with the front's forward
-lock held, from the batcher's worker thread or from a sync caller's thread; ``stats`` is called
+lock held, from the batcher's worker thread, from the event loop's thread (a lockstep step: the
+batcher's ``inline_cohort``) or from a sync caller's thread; ``stats`` is called
 without it and must never wait for a forward (plain counters read as they are).
 """
 

@@ -135,11 +135,13 @@ def test_step_timeline_times_every_phase_and_unwraps():
                                                   BENCH.parent / "bench_step_timeline.py")
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
-    before = (ThreadPoolExecutor.submit, Front._compute_owned, Batcher._finish)
-    for api in ("gather", "batch"):
-        cells = timeline.main(["--particles", "1", "4", "--steps", "3", "--api", api])
+    before = (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
+              Batcher._finish)
+    for api, worker in (("gather", []), ("batch", []), ("gather", ["--worker"])):
+        cells = timeline.main(["--particles", "1", "4", "--steps", "3", "--api", api] + worker)
         assert [c["particles"] for c in cells] == [1, 4]
         for c in cells:
             assert all(math.isfinite(c[p]) and c[p] >= 0 for p in timeline.PHASES)
             assert c["fwd"] <= c["compute"]
-    assert (ThreadPoolExecutor.submit, Front._compute_owned, Batcher._finish) == before
+    assert (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
+            Batcher._finish) == before

@@ -213,6 +213,31 @@ async def test_a_failing_inline_step_fails_its_callers_only_and_the_next_goes_on
         await lm.aclose()
 
 
+async def test_the_callers_autocast_never_reaches_a_forward(tiny_hf, gpt2_tok):
+    """A step that runs on the caller's thread (its cohort is in) while the caller has CPU
+    autocast on, and a sync call under it, give the rows of the same calls without it, bit for
+    bit (autocast is thread-local: the worker thread never had it either)."""
+    traces = []
+    for autocast in (False, True):
+        lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+        try:
+            particles = await _cohort_of(lm, 4)
+            rows = []
+            for step in range(3):
+                particles = [p + [10 + step] for p in particles]
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    rows.append(torch.stack(await asyncio.gather(
+                        *(lm.next_token_logprobs(c) for c in particles))))
+            assert lm.scheduler.inline_batches == 3
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                rows.append(lm.batch_next_token_logprobs_sync([p + [1] for p in particles]))
+            traces.append(rows)
+        finally:
+            await lm.aclose()
+    for a, b in zip(*traces):
+        assert torch.equal(a, b)
+
+
 async def test_a_sequential_caller_does_not_wait_for_the_window(tiny_hf, gpt2_tok):
     """A decoding loop (one query at a time) is its own cohort: each query goes at once."""
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)

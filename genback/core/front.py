@@ -12,9 +12,10 @@ Four ways in, and the path each takes:
 
 * :meth:`Front.ask` (``await``): :meth:`Front.lookup` (counted; a cached row is answered at
   once), else :meth:`Front.submit`: the scheduler's future. The batcher runs its batches on its
-  worker thread through the front's compute step: rows cached meanwhile are taken, the rest go
-  to ``runner.run`` under the forward lock, next-token rows are stored in the output cache, and
-  each caller gets its own copy (:mod:`genback.rows`). With ``Immediate``, each query goes to
+  worker thread (a lockstep step on the event loop's thread) through the front's compute step:
+  rows cached meanwhile are taken, the rest go to ``runner.run`` under the forward lock and
+  without the calling thread's autocast (:func:`no_autocast`), next-token rows are stored in
+  the output cache, and each caller gets its own copy (:mod:`genback.rows`). With ``Immediate``, each query goes to
   the runner's ``answer_shared`` and its row is stored.
 * :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
   (``next_token_logprobs``: no coroutine of its own per query).
@@ -28,6 +29,7 @@ checked ids (:meth:`Front.tokens` checks ids alone).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import torch
@@ -229,7 +231,7 @@ class Front:
                 the runner's ``pin``.
         """
         self.check_open()
-        with self.lock:
+        with self.lock, no_autocast():
             self.check_adapter(adapter)
             self.runner.pin(tokens, adapter)
 
@@ -267,8 +269,9 @@ class Front:
                     for i in todo:
                         results[i] = self.adapters.error(queries[i].adapter)
                     todo = [i for i in todo if results[i] is None]
-                computed = (self.runner.run(queries if len(todo) == len(queries)
-                                            else [queries[i] for i in todo]) if todo else [])
+                with no_autocast():
+                    computed = (self.runner.run(queries if len(todo) == len(queries)
+                                                else [queries[i] for i in todo]) if todo else [])
             for i, value in zip(todo, computed):
                 results[i] = value
             self._store([queries[i] for i in todo], computed)
@@ -361,3 +364,24 @@ class Front:
         with self.lock:
             self.runner.close()
         self.cache.clear()
+
+
+# device types whose thread-local autocast is switched off around genback's forwards
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+@contextlib.contextmanager
+def no_autocast():
+    """Run the block with ``torch.autocast`` off on every device type that the calling thread
+    has it on (a no-op, ~1 µs, when none has). A batch may run on the caller's thread (a step
+    whose cohort is in, :mod:`genback.batcher`; ``ask_sync``; ``pin``), and the caller's
+    autocast, a thread-local setting, must not change genback's rows: they are the model's own
+    dtype's, as on the worker thread."""
+    on = [d for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+    if not on:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for d in on:
+            stack.enter_context(torch.autocast(d, enabled=False))
+        yield

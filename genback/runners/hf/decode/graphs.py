@@ -50,6 +50,7 @@ class StepGraphs:
             max_graph_bytes = (torch.cuda.get_device_properties(device).total_memory // 8
                                if enabled else 0)
         self.device, self.tolerance = device, TOLERANCE.get(dtype, 2 ** -6)
+        self._index = torch.device(device).index  # (None: the current device)
         self.enabled, self.max_graphs, self.max_graph_bytes = enabled, max_graphs, max_graph_bytes
         self.graphs: dict[tuple, object] = {}
         self.rejected_buckets: set[tuple] = set()
@@ -75,7 +76,16 @@ class StepGraphs:
     def run(self, buf, forward: Callable, rows: int) -> None:
         """Compute the step in ``buf`` (its :class:`.cascade.DecodeBuffers`, filled): replay its
         bucket's graph, capturing and checking it on first use, or ``forward(buf)`` eagerly.
-        ``rows``: the step's real rows (the logits compared)."""
+        ``rows``: the step's real rows (the logits compared). Runs with the pool's device as
+        the current CUDA device: a capture's stream and a replay go to the current device, and
+        the calling thread's may be another (a model on ``cuda:1``; a step run on the caller's
+        event-loop thread, :mod:`genback.batcher`'s ``inline_cohort``)."""
+        if self.enabled and self._index is not None and torch.cuda.current_device() != self._index:
+            with torch.cuda.device(self._index):
+                return self._run(buf, forward, rows)
+        return self._run(buf, forward, rows)
+
+    def _run(self, buf, forward: Callable, rows: int) -> None:
         graph = self.graphs.get(buf.key)
         if graph is not None:
             graph.replay()
