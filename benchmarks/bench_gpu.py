@@ -122,12 +122,16 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
     worker = decode.endswith("-worker")  # every batch on the worker thread (no inline step)
     decode = decode.removesuffix("-worker")
+    flash0 = decode.endswith("-flash0")  # level 0 unmasked but for its last 256 keys
+    decode = decode.removesuffix("-flash0")
     dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window,
                           decode=decode.removesuffix("-dense"))
     lm.scheduler.inline_cohort = not worker
     if dense:
         lm.runner.decode_step.min_prefix = sys.maxsize
+    if flash0:
+        lm.runner.decode_step.flash_level0 = True
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
@@ -343,7 +347,9 @@ def parse(argv):
                     help="comma list of AsyncTransformer decode modes to run side by side "
                          "(auto, graphs, eager, off; graphs-dense / eager-dense: without the "
                          "cascade's shared level, to find where it pays; a suffix -worker runs "
-                         "every step on the batcher's worker thread, as before inline steps; "
+                         "every step on the batcher's worker thread, as before inline steps; -flash0 "
+                         "attends level 0 without a bias (FlashAttention-2) but for its last "
+                         "256 keys (DecodeStep.flash_level0); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call; default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")

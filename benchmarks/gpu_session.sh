@@ -67,7 +67,7 @@ case "$part" in
       --deselect tests/test_decode_step.py::test_smollm2_eager_decode_steps_equal_uncached \
       tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
       tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
-  8b) cells llama-3.1-8b 16,256 1000,4000 ;;
+  8b) cells llama-3.1-8b 16,256 1000,4000 auto,auto-flash0,off ;;  # (flash0: level 0 unmasked)
   1b) cells llama-3.2-1b 16,256 1000,4000 auto,auto-worker,off ;;  # (host-bound: inline vs worker)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \

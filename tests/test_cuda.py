@@ -177,6 +177,51 @@ def test_cached_paths_bf16_no_worse_than_dense(tiny_hf, gpt2_tok, device, option
     assert 0 < dense and cached <= BF16_FACTOR * dense, (cached, dense)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_tok, device,
+                                                                 monkeypatch):
+    """The decode step with ``flash_level0`` (level 0's keys before its last 256 attended
+    without a bias: FlashAttention-2 on CUDA), over a 600-token prompt (a prefix bucket of 768):
+    bf16 rows within ``BF16_FACTOR`` times an uncached bf16 forward's error against fp32, and on
+    CUDA every captured graph verified."""
+    ref32 = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok)
+    lm = AsyncTransformer(model_on(tiny_hf, device, torch.bfloat16), gpt2_tok, batch_window=0.01,
+                          decode="auto" if device == "cuda" else "eager")
+    lm.runner.decode_step.flash_level0 = True
+    from genback.runners.hf.forward import attention
+    kernels, attend = [], attention._attend
+    monkeypatch.setattr(attention, "_attend",
+                        lambda q, k, v, scale, kernel, bias=None:
+                        kernels.append(kernel) or attend(q, k, v, scale, kernel, bias))
+    rng = random.Random(1)
+    prompt = [rng.randrange(50257) for _ in range(400)]
+
+    async def run():
+        parts, got = [prompt + [i] for i in range(8)], []
+        await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+        for _ in range(5):
+            parts = [p + [rng.randrange(50)] for p in parts]
+            got.extend(zip(parts, await asyncio.gather(*(lm.next_token_logprobs(c)
+                                                         for c in parts))))
+        return got
+
+    try:
+        lm.cache_kv(prompt)
+        pairs = asyncio.run(run())
+        info = lm.cache_info()
+        assert info["decode_steps"] >= 5 and info["decode_graphs_rejected"] == 0
+        assert "flash2" in kernels  # (the unmasked part of level 0 ran)
+        if device == "cuda":
+            assert info["decode_graphs_verified"] >= 1
+        cached = max(_errors(lm, pairs, ref_lm=ref32))
+        dense = max(_errors(lm, [(c, lm.next_token_logprobs_uncached(c)) for c, _ in pairs],
+                            ref_lm=ref32))
+    finally:
+        lm.close()
+        ref32.close()
+    assert 0 < dense and cached <= BF16_FACTOR * dense, (cached, dense)
+
+
 # -- the token-character trie on the device ------------------------------------------------------
 
 

@@ -51,11 +51,14 @@ def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, 
     both paths forward the same tokens in the same number of forwards."""
     trace = _smc_trace(random.Random(prompt_len), prompt_len, particles, 10, resample, 50)
     got = {}
-    for decode in ("eager", "dense", "off"):  # dense: the decode step without level 0
+    # dense: the decode step without level 0; flash0: level 0 unmasked but its last 256 keys
+    for decode in ("eager", "dense", "flash0", "off"):
         lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
-                              decode="eager" if decode == "dense" else decode)
+                              decode="off" if decode == "off" else "eager")
         if decode == "dense":
             lm.runner.decode_step.min_prefix = sys.maxsize
+        if decode == "flash0":
+            lm.runner.decode_step.flash_level0 = True
         try:
             lm.cache_kv(trace[0][0][:-1])
             refs: dict = {}
@@ -71,11 +74,12 @@ def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, 
                 assert "decode_steps" not in info
         finally:
             lm.close()
-    assert got["eager"] == got["dense"] == got["off"]
+    assert got["eager"] == got["dense"] == got["flash0"] == got["off"]
     if particles > 1:  # without level 0 every row reads the prompt itself
         assert got["dense read"] > got["eager read"]
     torch.testing.assert_close(got["eager rows"], got["off rows"], rtol=0, atol=1e-5)
     torch.testing.assert_close(got["dense rows"], got["off rows"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["flash0 rows"], got["off rows"], rtol=0, atol=1e-5)
 
 
 def test_mixed_batches_and_eviction_take_the_tree_path_and_stay_exact(tiny_hf, gpt2_tok):
@@ -205,10 +209,14 @@ def test_captured_decode_steps_in_bf16_are_no_worse_than_dense(gpt2_tok):
         lm.close()
 
 
-@pytest.mark.parametrize("rows,groups,prefix", [(1, 1, 900), (3, 4, 300), (64, 2, 1500)])
-def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
+@pytest.mark.parametrize("flash0", [False, True])
+@pytest.mark.parametrize("rows,groups,prefix", [(1, 1, 900), (3, 4, 300), (64, 2, 1500),
+                                                (2, 2, 200)])
+def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix, flash0):
     """Level 0 split into chunks (split-K) and merged by log-sum-exp equals one float64 softmax
-    over the real prefix keys; the padding past the prefix is masked, whatever its values."""
+    over the real prefix keys; the padding past the prefix is masked, whatever its values. With
+    ``flash0`` the keys before the last 256 are attended without a bias, the last 256 (the
+    padding's) with it, as one more chunk."""
     from types import SimpleNamespace
 
     from genback.runners.hf.decode.cascade import _merge_chunks, _prefix_chunks, _splits
@@ -223,13 +231,16 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix):
     slots = torch.randperm(cap - 1)[:prefix] + 1
     Pb = bucket(rows, 1, prefix)[2]
     b = SimpleNamespace(pool=pool, prefix=torch.zeros(Pb, dtype=torch.long),
-                        bias0=torch.full((1, 1, 1, Pb), float("-inf")))
+                        bias0=torch.full((1, 1, 1, Pb), float("-inf")), flash0=flash0)
     b.prefix[:prefix] = slots
     b.bias0[..., :prefix] = 0
     store[:, :, 0] = 1e4  # the dummy slot the padding reads: large, and masked
     q = torch.randn(rows, Hkv, groups, D)
     o, l = _prefix_chunks(0, b, q, 0.25)
-    assert o.shape[0] == _splits(Pb, Hkv, rows * groups) and (o.shape[0] > 1 or Pb == 256)
+    if flash0 and Pb > 256:  # the unmasked chunks, then the last 256 keys
+        assert o.shape[0] == _splits(Pb - 256, Hkv, rows * groups) + 1
+    else:
+        assert o.shape[0] == _splits(Pb, Hkv, rows * groups) and (o.shape[0] > 1 or Pb == 256)
     out = _merge_chunks(o, l).view(Hkv, rows, groups, D).transpose(0, 1)
     lse = torch.logsumexp(l, 0).view(Hkv, rows, groups).transpose(0, 1)
     k, v = store[0][:, slots].double(), store[1][:, slots].double()  # [Hkv, P, D]

@@ -61,6 +61,7 @@ class DecodeBuffers:
 
     def __init__(self, pool: KVPool, key: tuple[int, int, int], groups: int, vocab: int):
         Rb, Wb, Pb = key
+        self.flash0 = False  # level 0 without a bias but on its last 256 keys (_prefix_chunks)
         dev, dt = pool.device, pool.dtype
         self.pool = pool
         self.key = key
@@ -171,16 +172,36 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     ``[S, Hkv, Rb * G])``, query ``r * G + g`` of KV head ``h`` being row ``r``'s head
     ``h * G + g``.
 
+    With ``b.flash0`` (:attr:`.step.DecodeStep.flash_level0`) and a prefix over one bucket of
+    256, the prefix's first ``Pb - 256`` keys (all real: its padding is under 256) are attended
+    without a bias (a FlashAttention kernel on CUDA, :func:`..forward.attention._attend`'s
+    ``"flash2"``) and its last 256 with ``bias0`` as one more chunk.
+
     qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` and bias ``b.bias0``."""
     Rb, Hkv, G, D = qg.shape
     Pb = b.prefix.shape[0]
-    S = _splits(Pb, Hkv, Rb * G)
-    C = Pb // S
     kv0 = b.pool.gather(layer, b.prefix)  # [2, Hkv, Pb, D]
-    k0 = kv0[0].view(Hkv, S, C, D).transpose(0, 1)  # [S, Hkv, C, D]
-    v0 = kv0[1].view(Hkv, S, C, D).transpose(0, 1)
-    q0 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
-    if S > 1:
-        q0 = q0.expand(S, -1, -1, -1).contiguous()
-    bias0 = b.bias0.view(S, 1, 1, C).expand(S, 1, Rb * G, C)
-    return tree_attention._attend(q0, k0, v0, scale, "flash", bias0)
+    q1 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
+    if not (getattr(b, "flash0", False) and Pb > 256):
+        return _chunks(kv0, q1, scale, b.bias0, "flash")
+    head = Pb - 256
+    o, lse = _chunks(kv0[:, :, :head], q1, scale, None, "flash2")
+    N = q1.shape[2]
+    o_t, lse_t = tree_attention._attend(q1, kv0[0, None, :, head:], kv0[1, None, :, head:],
+                                        scale, "flash", b.bias0[..., head:].expand(1, 1, N, 256))
+    return torch.cat([o, o_t.to(o.dtype)]), torch.cat([lse, lse_t])
+
+
+def _chunks(kv0, q1, scale: float, bias0, kernel: str):
+    """``q1`` ``[1, Hkv, N, D]`` over keys and values ``kv0`` ``[2, Hkv, L, D]`` (``L`` a
+    multiple of 256) in ``S`` chunks attended in parallel, masked by ``bias0`` ``[1, 1, 1, L]``
+    (None: none): ``(o [S, Hkv, N, D], lse float32 [S, Hkv, N])``."""
+    _, Hkv, L, D = kv0.shape
+    N = q1.shape[2]
+    S = _splits(L, Hkv, N)
+    C = L // S
+    k0 = kv0[0].reshape(Hkv, S, C, D).transpose(0, 1)  # [S, Hkv, C, D]
+    v0 = kv0[1].reshape(Hkv, S, C, D).transpose(0, 1)
+    q0 = q1.expand(S, -1, -1, -1).contiguous() if S > 1 else q1
+    bias = None if bias0 is None else bias0.view(S, 1, 1, C).expand(S, 1, N, C)
+    return tree_attention._attend(q0, k0, v0, scale, kernel, bias)

@@ -126,6 +126,12 @@ class DecodeStep:
             attends its whole context in level 1 (the dense layout; a step wider than
             :data:`MAX_TABLE_SLOTS` then runs in chunks of rows, or takes the tree path). For measuring where the cascade
             pays (``bench_gpu.py --genback graphs-dense``).
+        flash_level0: level 0's real keys attended without a bias, by FlashAttention-2's
+            kernel on CUDA in bf16 / fp16, and only its last 256 keys (where the prefix's
+            padding lies) with one (:func:`.cascade._prefix_chunks`); default False (the
+            memory-efficient kernel with a bias over the whole prefix) until a GPU session
+            measures it (``bench_gpu.py --genback auto-flash0``). Set it before the first
+            step: a captured graph keeps the kernels it was captured with.
         graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
             and rejected buckets, graph memory).
         steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
@@ -148,6 +154,7 @@ class DecodeStep:
         self._version = pool.version
         self.steps = self.lane_steps = self.split_steps = 0
         self.min_prefix = 1
+        self.flash_level0 = False
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
         self._split_age = 0  # steps split alike since the whole step was tried
@@ -295,6 +302,7 @@ class DecodeStep:
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
+            buf.flash0 = self.flash_level0
         buf.fill(layout)
         self.steps += 1
         self.graphs.run(buf, self._forward, R)

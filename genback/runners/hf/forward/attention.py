@@ -134,9 +134,18 @@ def _attend(q, k, v, scale: float, kernel: str, bias=None):
     q: [B, H, N, D], k/v: [B, H, L, D], bias: None, or additive, of q's dtype, broadcastable to
     [B, H, N, L] (0 = attend, -inf = masked; every query attends to at least one key) ->
     (out [B, H, N, D], lse float32 [B, H, N]). ``kernel`` ``"flash"``: one fused op on CPU (flash
-    attention) and CUDA (memory-efficient attention); ``"math"`` (and other devices): scores
-    materialised.
+    attention) and CUDA (memory-efficient attention); ``"flash2"``: as ``"flash"``, but on CUDA
+    without a bias, in bf16 or fp16, FlashAttention-2's kernel (PyTorch's
+    ``_scaled_dot_product_flash_attention``: no bias, its LSE float32 ``[B, H, N]``);
+    ``"math"`` (and other devices): scores materialised.
     """
+    if kernel == "flash2":
+        if (bias is None and q.device.type == "cuda"
+                and q.dtype in (torch.bfloat16, torch.float16)):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, False, False, scale=scale)[:2]
+            return out, lse.float()
+        kernel = "flash"
     if kernel == "flash" and q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale)
