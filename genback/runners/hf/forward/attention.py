@@ -27,6 +27,7 @@ model's attention implementation to it for its own forwards, under the forward l
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -135,13 +136,14 @@ def _attend(q, k, v, scale: float, kernel: str, bias=None):
     [B, H, N, L] (0 = attend, -inf = masked; every query attends to at least one key) ->
     (out [B, H, N, D], lse float32 [B, H, N]). ``kernel`` ``"flash"``: one fused op on CPU (flash
     attention) and CUDA (memory-efficient attention); ``"flash2"``: as ``"flash"``, but on CUDA
-    without a bias, in bf16 or fp16, FlashAttention-2's kernel (PyTorch's
+    without a bias, in bf16 or fp16 on compute capability 8.0 or newer, head size <= 256,
+    FlashAttention-2's kernel (PyTorch's
     ``_scaled_dot_product_flash_attention``: no bias, its LSE float32 ``[B, H, N]``);
     ``"math"`` (and other devices): scores materialised.
     """
     if kernel == "flash2":
-        if (bias is None and q.device.type == "cuda"
-                and q.dtype in (torch.bfloat16, torch.float16)):
+        if (bias is None and q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
+                and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and _ampere(q.device.index)):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
                 q, k, v, 0.0, False, False, scale=scale)[:2]
             return out, lse.float()
@@ -162,6 +164,13 @@ def _attend(q, k, v, scale: float, kernel: str, bias=None):
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
     return out, lse
+
+
+@functools.cache
+def _ampere(index: int | None) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) runs FlashAttention-2's kernels
+    (compute capability 8.0 or newer)."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def _merge(out, lse, out_s, lse_s):
