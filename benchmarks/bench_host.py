@@ -80,7 +80,10 @@ wall ratio, and the max abs difference between ``rows[i][seq[i]]`` and ``token_l
 Run: ``taskset -c 1 python benchmarks/bench_host.py`` (tiny model, full grid), ``--model smollm2``
 (a smaller default grid, 24 steps by default), ``--particles 16 256 --contexts 100 4000 --steps
 8``, ``--quick`` (tiny model, smallest grid, a few seconds), ``--no-nested`` / ``--no-smc`` for
-one part.
+one part; ``--compare-worker K`` runs each cell K times in alternation with every batch on the
+batcher's worker thread (as before a lockstep step ran on the event loop's thread) and prints the
+medians of both: a paired comparison in one process, steadier on a shared machine than two
+processes run one after the other.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ import argparse
 import asyncio
 import gc
 import importlib
+import statistics
 import threading
 import time
 import warnings
@@ -367,13 +371,16 @@ def smc_advance(parts: list[list[int]], rows, *, resample: bool, gen) -> list[li
 
 async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
                    resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None,
-                   caller_gc_inside: bool = False, api: str = "gather") -> dict:
+                   caller_gc_inside: bool = False, api: str = "gather",
+                   worker: bool = False) -> dict:
     """One cell of part 1 on a fresh ``AsyncTransformer``; returns the per-query numbers, plus
     ``answered`` (rows returned by measured steps), ``rows_ok`` (each row a log-normalised
-    vector of the logit width), ``err`` and ``info`` (``cache_info()`` at the end)."""
+    vector of the logit width), ``err`` and ``info`` (``cache_info()`` at the end).
+    ``worker``: every batch on the batcher's worker thread (its ``inline_cohort`` off)."""
     from genback.llm import AsyncTransformer
 
     lm = AsyncTransformer(model, tok, **(lm_kwargs or {}))
+    lm.scheduler.inline_cohort = not worker
     timer = ForwardTimer(model)
     gc_clock = GcClock()
     clock = StepClock(timer, lm, gc_clock, api)
@@ -466,6 +473,22 @@ def row_md(model: str, r: dict) -> str:
             f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
 
 
+def compare_md(pairs) -> str:
+    """``--compare-worker``'s table: per cell, the medians of host/q, host/step and own/q of
+    the runs with a step on the event loop's thread (inline) and on the worker thread."""
+    med = statistics.median
+    out = ["\n| N | context | runs | host/q µs inline / worker | host/step ms inline / worker | "
+           "own/q µs inline / worker |", "|---|---|---|---|---|---|"]
+    for n, ctx, runs in pairs:
+        a, b = runs[False], runs[True]
+        out.append(f"| {n} | {ctx} | {len(a)} + {len(b)} | {med(r['host'] for r in a):.0f} / "
+                   f"{med(r['host'] for r in b):.0f} | "
+                   f"{med(r['host'] for r in a) * n / 1e3:.2f} / "
+                   f"{med(r['host'] for r in b) * n / 1e3:.2f} | "
+                   f"{med(r['own'] for r in a):.0f} / {med(r['own'] for r in b):.0f} |")
+    return "\n".join(out)
+
+
 def nested_md(model: str, r: dict) -> str:
     b, s = r["batch"], r["score"]
     return (f"| {model} | {r['length']} | {b['wall']:.2f} | {b['forwards']} | {s['wall']:.2f} | "
@@ -492,6 +515,11 @@ def parse(argv=None):
     p.add_argument("--api", default="gather", choices=["gather", "batch"],
                    help="a step as a gather of next_token_logprobs calls (default) or one "
                         "batch_next_token_logprobs call")
+    p.add_argument("--compare-worker", type=int, default=0, metavar="K",
+                   help="run each cell K times in alternation with every batch on the worker "
+                        "thread (the batcher's inline_cohort off, rows 'tiny/worker'; each route "
+                        "first in every other pair), then the medians of both routes: a paired "
+                        "comparison in one process")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
     args = p.parse_args(argv)
@@ -518,16 +546,25 @@ def main(argv=None) -> dict:
     results = {"smc": [], "nested": None}
     if not args.no_smc:
         print("\n" + HEADER + "\n" + "|---" * (HEADER.count("|") - 1) + "|", flush=True)
+        pairs = []
         for n in args.particles:
             for ctx in args.contexts:
-                r = asyncio.run(smc_cell(model, tok, n, ctx, steps=args.steps,
-                                         warmup=args.warmup, resample=args.resample,
-                                         seed=args.seed,
-                                         caller_gc_inside=args.caller_gc_inside,
-                                         api=args.api,
-                                         lm_kwargs={"decode": args.decode}))
-                results["smc"].append(r)
-                print(row_md(args.model, r), flush=True)
+                runs = {False: [], True: []}
+                # (alternating, each route first in every other pair)
+                order = [w for k in range(args.compare_worker) for w in (k % 2, 1 - k % 2)]
+                for worker in map(bool, order or [0]):
+                    r = asyncio.run(smc_cell(model, tok, n, ctx, steps=args.steps,
+                                             warmup=args.warmup, resample=args.resample,
+                                             seed=args.seed,
+                                             caller_gc_inside=args.caller_gc_inside,
+                                             api=args.api, worker=worker,
+                                             lm_kwargs={"decode": args.decode}))
+                    (results.setdefault("worker", []) if worker else results["smc"]).append(r)
+                    runs[worker].append(r)
+                    print(row_md(args.model + ("/worker" if worker else ""), r), flush=True)
+                pairs.append((n, ctx, runs))
+        if args.compare_worker:
+            print(compare_md(pairs), flush=True)
     if not args.no_nested:
         r = asyncio.run(nested(model, tok, args.nested_len))
         results["nested"] = r

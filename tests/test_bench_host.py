@@ -123,6 +123,22 @@ def test_batch_route_answers_every_query_as_the_gather(bench):
     assert batch["info"]["forwards"] == gather["info"]["forwards"]
 
 
+def test_compare_worker_runs_both_routes_alike(bench, capsys):
+    """``--compare-worker 1``: the cell once with a lockstep step on the event loop's thread and
+    once on the worker: the same rows (the same sampled trace), forwards and answers; the
+    worker route's forwards ran on another thread (its caller CPU excludes them either way)."""
+    args = ["--quick", "--no-nested", "--particles", "4", "--contexts", "100",
+            "--compare-worker", "1"]
+    results = bench.main(args)
+    (inline,), (worker,) = results["smc"], results["worker"]
+    assert inline["answered"] == worker["answered"] == inline["queries"]
+    assert inline["distinct_last"] == worker["distinct_last"]
+    assert inline["info"]["forwards"] == worker["info"]["forwards"]
+    assert inline["rows_ok"] and worker["rows_ok"] and max(inline["err"], worker["err"]) <= 1e-5
+    assert worker["worker"] > 0 and inline["worker"] < worker["worker"]
+    assert "inline / worker" in capsys.readouterr().out
+
+
 def test_step_timeline_times_every_phase_and_unwraps():
     """``bench_step_timeline.py``: every phase of every cell timed (finite, >= 0; the forward
     within the compute step), and genback's hand-off points are its own again afterwards."""
