@@ -172,7 +172,7 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     ``[S, Hkv, Rb * G])``, query ``r * G + g`` of KV head ``h`` being row ``r``'s head
     ``h * G + g``.
 
-    With ``b.flash0`` (:attr:`.step.DecodeStep.flash_level0`) and a prefix over one bucket of
+    With ``b.flash0`` (:class:`.step.DecodeStep`'s ``flash_level0``) and a prefix over one bucket of
     256, the prefix's first ``Pb - 256`` keys (all real: its padding is under 256) are attended
     without a bias (a FlashAttention kernel on CUDA, :func:`..forward.attention._attend`'s
     ``"flash2"``) and its last 256 with ``bias0`` as one more chunk.
