@@ -58,7 +58,8 @@ class BatcherClosed(BatchAbandoned):
 
 
 class Batcher:
-    """Batch concurrent queries and compute them on a worker thread.
+    """Batch concurrent queries and compute them on a worker thread (a batch whose cohort is in:
+    on the event loop's thread, when ``inline_cohort``).
 
     Args:
         compute: ``compute(queries) -> results``, called on the worker thread with a list of the
