@@ -291,16 +291,20 @@ class Batcher:
             state.busy = False
             _fail(batch, BatcherClosed(str(exc)))
 
+    def _outcome(self, batch: list[Entry]) -> tuple:
+        """``(results, None)`` of computing ``batch``, or ``(None, error)``: what it raised, which
+        fails exactly this batch's callers."""
+        try:
+            return self._compute([e.query for e in batch]), None
+        except BaseException as e:
+            return None, e
+
     def _work(self, state: LoopState, batch: list[Entry]) -> None:
         """The worker thread's part: compute the batch and hand the outcome to the loop's
         thread in one ``call_soon_threadsafe`` (``run_in_executor``'s future chained to an
         asyncio future took one more turn of the loop: ~15-25 µs more per batch, median of 600
         one-query steps on this project's CPU)."""
-        results = exc = None
-        try:
-            results = self._compute([e.query for e in batch])
-        except BaseException as e:  # fails exactly this batch's callers
-            exc = e
+        results, exc = self._outcome(batch)
         try:
             state.loop.call_soon_threadsafe(self._finish, state, batch, results, exc)
         except RuntimeError:  # the loop was closed meanwhile: nobody is left to answer
@@ -310,11 +314,7 @@ class Batcher:
         """Compute ``batch`` on the loop's thread and answer its callers (as :meth:`_work` and
         :meth:`_finish` do on the two threads). A ``KeyboardInterrupt`` or ``SystemExit`` fails
         the batch's callers, then goes on up."""
-        results = exc = None
-        try:
-            results = self._compute([e.query for e in batch])
-        except BaseException as e:  # fails exactly this batch's callers
-            exc = e
+        results, exc = self._outcome(batch)
         self._finish(state, batch, results, exc)
         if exc is not None and not isinstance(exc, Exception):
             raise exc

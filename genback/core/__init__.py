@@ -7,7 +7,8 @@ A query takes one path through them (``await lm.next_token_logprobs(ids)``):
    (:mod:`.adapters`), a hit in the output cache (:mod:`.output_cache`) answered at once, else
 3. the scheduler: :mod:`genback.batcher` (``Batcher``: a window and a query count; ``Immediate`` for
    engines that schedule themselves) collects queries and calls the runner's ``run`` on its
-   worker thread (a lockstep step on the event loop's thread); the rows come back to the front, which stores them in the output cache, gives
+   worker thread (a lockstep step on the event loop's thread); the rows come back to the front,
+   which stores them in the output cache, gives
    each caller its own copy, and resolves the caller's future.
 
 :mod:`.decoding` (sampling loops over decoding steps) and :mod:`.queue_api` (genlm-backend's

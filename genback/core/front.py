@@ -15,7 +15,8 @@ Four ways in, and the path each takes:
   worker thread (a lockstep step on the event loop's thread) through the front's compute step:
   rows cached meanwhile are taken, the rest go to ``runner.run`` under the forward lock and
   without the calling thread's autocast (:func:`no_autocast`), next-token rows are stored in
-  the output cache, and each caller gets its own copy (:mod:`genback.rows`). With ``Immediate``, each query goes to
+  the output cache, and each caller gets its own copy (:mod:`genback.rows`). With
+  ``Immediate``, each query goes to
   the runner's ``answer_shared`` and its row is stored.
 * :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
   (``next_token_logprobs``: no coroutine of its own per query).

@@ -4,8 +4,8 @@ Requests are batched by genback's shared :class:`~genback.batcher.Batcher` (the 
 ``AsyncLM`` uses): requests made in the same event-loop iteration join one batch (up to
 ``max_batch``), computed with one ``batch_weight_*`` call per operation on the batcher's worker
 thread, so the event loop keeps running while the trie reduces (a lockstep batch, whose callers
-are all waiting for it, on the loop's own thread: the batcher's ``inline_cohort``). Each request's weights are
-validated (type, dtype, shape) when it is submitted: a bad request raises at once in its caller
+are all waiting for it, on the loop's own thread: the batcher's ``inline_cohort``). Each
+request's weights are validated (type, dtype, shape) when it is submitted: a bad request raises at once in its caller
 and never joins a batch. If a batch still fails (e.g. a NaN weight, detected during the
 reduction), its requests are computed one by one and exactly the offending callers get the
 error; every caller's future is resolved (the batcher fails exactly the callers of a failed

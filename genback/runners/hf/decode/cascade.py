@@ -172,8 +172,8 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     ``[S, Hkv, Rb * G])``, query ``r * G + g`` of KV head ``h`` being row ``r``'s head
     ``h * G + g``.
 
-    With ``b.flash0`` (:class:`.step.DecodeStep`'s ``flash_level0``) and a prefix over one bucket of
-    256, the prefix's first ``Pb - 256`` keys (all real: its padding is under 256) are attended
+    With ``b.flash0`` (:class:`.step.DecodeStep`'s ``flash_level0``) and a prefix over one
+    bucket of 256, the prefix's first ``Pb - 256`` keys (all real: its padding is under 256) are attended
     without a bias (a FlashAttention kernel on CUDA, :func:`..forward.attention._attend`'s
     ``"flash2"``) and its last 256 with ``bias0`` as one more chunk.
 
@@ -182,14 +182,14 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     Pb = b.prefix.shape[0]
     kv0 = b.pool.gather(layer, b.prefix)  # [2, Hkv, Pb, D]
     q1 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
-    if not (getattr(b, "flash0", False) and Pb > 256):
+    if not (b.flash0 and Pb > 256):
         return _chunks(kv0, q1, scale, b.bias0, "flash")
     head = Pb - 256
     o, lse = _chunks(kv0[:, :, :head], q1, scale, None, "flash2")
     N = q1.shape[2]
     o_t, lse_t = tree_attention._attend(q1, kv0[0, None, :, head:], kv0[1, None, :, head:],
                                         scale, "flash", b.bias0[..., head:].expand(1, 1, N, 256))
-    return torch.cat([o, o_t.to(o.dtype)]), torch.cat([lse, lse_t])
+    return torch.cat([o, o_t]), torch.cat([lse, lse_t])
 
 
 def _chunks(kv0, q1, scale: float, bias0, kernel: str):
