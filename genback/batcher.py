@@ -46,6 +46,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 from .pending import Entry, LoopState
 from .query_group import Member, QueryGroup
+from .query_future import QueryFuture
 
 
 class BatchAbandoned(RuntimeError):
@@ -127,9 +128,10 @@ class Batcher:
 
     def enqueue(self, key: Hashable, query: Any) -> asyncio.Future:
         """Queue ``query`` now (call it on a running event loop's thread); return the future of
-        its result, which fails as :meth:`submit` raises."""
+        its result (a :class:`~genback.query_future.QueryFuture`: ``asyncio.create_task`` takes it
+        too), which fails as :meth:`submit` raises."""
         loop, state = self._open_state()
-        future = loop.create_future()
+        future = QueryFuture(loop=loop)
         with self._lock:
             self._add(state, loop, key, query, future)
             ready, check = self._decide(state)

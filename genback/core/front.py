@@ -44,6 +44,7 @@ from ..runner import Capabilities
 from ..window import check_pair
 from .adapters import Adapters
 from .inputs import ContextChecker, check_lora, check_positive_int
+from ..query_future import done_future, failed_future
 from ..rows import copy_result, own, owned_copies
 
 
@@ -80,8 +81,8 @@ class Front:
             self.scheduler = Batcher(self._compute_owned, window=batch_window,
                                      max_batch_size=size, copy=copy_result)
         # what ask awaits: the batcher's future itself (no coroutine of its own around it)
-        self._submit = (self.scheduler.enqueue if isinstance(self.scheduler, Batcher)
-                        else self.scheduler.submit)
+        self.batched = isinstance(self.scheduler, Batcher)
+        self._submit = self.scheduler.enqueue if self.batched else self.scheduler.submit
         self._stats_lock = threading.Lock()
         self.queries = 0
         self.tokens_queried = 0
@@ -188,6 +189,35 @@ class Front:
         self.check_open()
         self.count(len(query.context))
         return self.cache.get(query) if query.cacheable else None
+
+    def next_token_row(self, token_ids, lora_name):
+        """The awaitable of ``next_token_logprobs(token_ids, lora_name)``: the caller's own row
+        (float32 ``[V]``). On a running event loop with genback's batcher it is a
+        :class:`~genback.query_future.QueryFuture`: the batcher's own future of the query, or one
+        done already (a cached row's copy, or the ``TypeError`` / ``ValueError`` of bad input,
+        raised where it is awaited), so a gather of queries runs no task per query
+        (:mod:`genback.query_future`); otherwise a coroutine (:meth:`_next_token_row`)."""
+        if self.batched:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # (called outside a loop: the coroutine, awaited later)
+                return self._next_token_row(token_ids, lora_name)
+            try:
+                query, row = self._next_token_lookup(token_ids, lora_name)
+                return self._submit(query, query) if row is None else done_future(loop, own(row))
+            except Exception as exc:  # fails this caller alone, where it awaits
+                return failed_future(loop, exc)
+        return self._next_token_row(token_ids, lora_name)
+
+    async def _next_token_row(self, token_ids, lora_name):
+        query, row = self._next_token_lookup(token_ids, lora_name)
+        return own(row) if row is not None else self.owned(await self.submit(query))
+
+    def _next_token_lookup(self, token_ids, lora_name) -> tuple[NextToken, object]:
+        """``(query, cached row or None)`` of a next-token query (checked and counted)."""
+        query = self.next_token(token_ids,
+                                None if lora_name is None else self.adapter_key(lora_name))
+        return query, self.lookup(query)
 
     def submit(self, query: Query):
         """The awaitable result of a counted ``query`` that :meth:`lookup` did not find (the

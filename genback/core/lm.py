@@ -13,6 +13,8 @@ public methods only. Every public method takes the front's one path; the backend
 from __future__ import annotations
 
 import asyncio
+import inspect
+from typing import Awaitable
 
 import torch
 
@@ -175,8 +177,10 @@ class AsyncLM:
         """Checked context ids (:meth:`.front.Front.tokens`, for the backends' own methods)."""
         return self.front.tokens(token_ids, name)
 
-    async def next_token_logprobs(self, token_ids, lora_name=None) -> torch.Tensor:
-        """Log-probs of the next token after ``token_ids``; concurrent calls are batched.
+    def next_token_logprobs(self, token_ids, lora_name=None) -> Awaitable[torch.Tensor]:
+        """Log-probs of the next token after ``token_ids``, awaited; concurrent calls are batched.
+        The awaitable (``gather``, ``create_task``, ``wait_for`` take it) is the query's future
+        itself on a loop with genback's batcher (:mod:`genback.query_future`), else a coroutine.
 
         Args:
             token_ids: the context, a non-empty list (or 1-D int array) of ids in ``[0, V)``.
@@ -184,22 +188,18 @@ class AsyncLM:
                 ``add_new_lora`` (backends that serve adapters).
 
         Returns:
-            float32 tensor ``[V]``, log-normalised (``logsumexp == 0``); the caller's own copy.
-            On AsyncTransformer it is on the model's device (its ``row_device``), on the other
-            backends on the CPU.
+            float32 tensor ``[V]``, log-normalised (``logsumexp == 0``); the caller's own copy,
+            on the model's device on AsyncTransformer (``row_device``), else on the CPU.
 
         Raises:
-            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name`` (only this
-                caller fails); ValueError also when its adapter is removed while it waits.
+            TypeError / ValueError (where awaited): bad ``token_ids`` or an unknown ``lora_name``
+                (only this caller fails); ValueError also when its adapter is removed meanwhile.
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        front = self.front
-        query = front.next_token(token_ids,
-                                 None if lora_name is None else front.adapter_key(lora_name))
-        row = front.lookup(query)  # (Front.ask, without a coroutine of its own per query)
-        if row is not None:
-            return own(row)  # the one copy: cached rows are shared, never handed out
-        return front.owned(await front.submit(query))
+        return self.front.next_token_row(token_ids, lora_name)
+
+    if hasattr(inspect, "markcoroutinefunction"):  # (Python >= 3.12: a coroutine function)
+        inspect.markcoroutinefunction(next_token_logprobs)
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`next_token_logprobs`; works inside a running loop too.
