@@ -1,0 +1,142 @@
+"""``next_token_logprobs`` hands out the batcher's future itself (``genback.query_future``): a gather
+of queries runs no task per query, and everything that takes a coroutine or an awaitable still
+works: ``await``, ``gather``, ``create_task`` (and its cancellation), ``wait_for``, a call made
+outside a loop, bad input failing its caller alone."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+import torch
+
+from genback.query_future import QueryFuture, done_future, failed_future
+
+
+def _counting_tasks(loop) -> list:
+    """Install a task factory on ``loop`` that records every task created; return the record."""
+    made = []
+
+    def factory(loop, coro, **kwargs):
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        made.append(task)
+        return task
+
+    loop.set_task_factory(factory)
+    return made
+
+
+async def test_a_gather_of_queries_creates_no_task_and_rows_are_exact(tiny_lm):
+    prompt = list(range(10, 60))
+    particles = [prompt + [p] for p in range(16)]
+    await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in particles))
+    loop = asyncio.get_running_loop()
+    made = _counting_tasks(loop)
+    try:
+        for step in range(3):
+            particles = [c + [200 + step] for c in particles]
+            awaitables = [tiny_lm.next_token_logprobs(c) for c in particles]
+            assert all(type(a) is QueryFuture for a in awaitables)
+            rows = await asyncio.gather(*awaitables)
+            assert made == []  # (a coroutine per query made 16 tasks a step)
+            for c, row in zip(particles, rows):
+                torch.testing.assert_close(row, tiny_lm.next_token_logprobs_uncached(c),
+                                           rtol=0, atol=1e-5)
+    finally:
+        loop.set_task_factory(None)
+
+
+async def test_create_task_and_wait_for_take_the_future(tiny_lm):
+    ctx = list(range(300, 340))
+    want = tiny_lm.next_token_logprobs_uncached(ctx)
+    assert asyncio.iscoroutine(tiny_lm.next_token_logprobs(ctx + [1]))
+    row = await asyncio.create_task(tiny_lm.next_token_logprobs(ctx))
+    torch.testing.assert_close(row, want, rtol=0, atol=1e-5)
+    row = await asyncio.wait_for(tiny_lm.next_token_logprobs(ctx + [2]), timeout=600)
+    torch.testing.assert_close(row, tiny_lm.next_token_logprobs_uncached(ctx + [2]), rtol=0,
+                               atol=1e-5)
+    if hasattr(inspect, "markcoroutinefunction"):  # (Python >= 3.12)
+        assert inspect.iscoroutinefunction(tiny_lm.next_token_logprobs)
+
+
+async def test_a_cancelled_task_cancels_its_query_and_the_others_are_served(tiny_hf, gpt2_tok):
+    from genback.llm import AsyncTransformer
+
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=600)  # (flushed below, not waited for)
+    try:
+        base = list(range(400, 430))
+        kept = [asyncio.create_task(lm.next_token_logprobs(base + [i])) for i in range(3)]
+        dropped = asyncio.create_task(lm.next_token_logprobs(base + [99]))
+        await asyncio.sleep(0)  # (each task has queued its query; the batch waits)
+        assert len(lm.scheduler.pending(asyncio.get_running_loop())) == 4
+        dropped.cancel()
+        lm.scheduler.flush(asyncio.get_running_loop())
+        rows = await asyncio.gather(*kept)
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        assert lm.cache_info()["batched_queries"] == 3  # the cancelled one was not computed
+        for i, row in enumerate(rows):
+            torch.testing.assert_close(row, lm.next_token_logprobs_uncached(base + [i]),
+                                       rtol=0, atol=1e-5)
+    finally:
+        await lm.aclose()
+
+
+async def test_bad_input_fails_where_awaited_and_alone(tiny_lm):
+    ctx = list(range(500, 520))
+    bad = tiny_lm.next_token_logprobs([-1])  # no error at the call: at the await, as a coroutine
+    out = await asyncio.gather(bad, tiny_lm.next_token_logprobs(ctx), return_exceptions=True)
+    assert isinstance(out[0], ValueError) and "token_ids" in str(out[0])
+    torch.testing.assert_close(out[1], tiny_lm.next_token_logprobs_uncached(ctx), rtol=0,
+                               atol=1e-5)
+    with pytest.raises(TypeError, match="token_ids"):
+        await tiny_lm.next_token_logprobs("not ids")
+
+
+async def test_a_cached_row_is_a_done_future_of_the_callers_own_copy(tiny_lm):
+    ctx = list(range(600, 640))
+    first = await tiny_lm.next_token_logprobs(ctx)
+    hits = tiny_lm.cache_info()["row_hits"]
+    again = tiny_lm.next_token_logprobs(ctx)
+    assert again.done()
+    row = await again
+    assert tiny_lm.cache_info()["row_hits"] == hits + 1
+    row += 1.0  # the caller's own: neither the first caller's row nor the cache's changes
+    torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), first, rtol=0, atol=0)
+
+
+def test_outside_a_loop_it_is_a_coroutine_run_later(tiny_hf, gpt2_tok):
+    from genback.llm import AsyncTransformer
+
+    lm = AsyncTransformer(tiny_hf, gpt2_tok)
+    try:
+        ctx = list(range(700, 730))
+        awaitable = lm.next_token_logprobs(ctx)
+        assert inspect.iscoroutine(awaitable)
+        row = asyncio.run(awaitable)
+        torch.testing.assert_close(row, lm.next_token_logprobs_uncached(ctx), rtol=0, atol=1e-5)
+    finally:
+        lm.close()
+
+
+async def test_query_future_as_a_coroutine_of_a_task():
+    loop = asyncio.get_running_loop()
+    pending = QueryFuture(loop=loop)
+    task = asyncio.create_task(pending)
+    await asyncio.sleep(0)
+    assert not task.done()  # waits on the future it yielded
+    pending.set_result(7)
+    assert await task == 7
+    assert await asyncio.create_task(done_future(loop, 8)) == 8
+    with pytest.raises(KeyError):
+        await asyncio.create_task(failed_future(loop, KeyError("x")))
+    waiting = QueryFuture(loop=loop)
+    task = asyncio.create_task(waiting)
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert waiting.cancelled()  # (the batcher leaves a cancelled caller's query out)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(QueryFuture(loop=loop), timeout=0.01)
