@@ -59,9 +59,9 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   ran outside the forward: the batcher's window when a batch waits for it (2 ms per batch was
   ~125 µs/q at 16 particles before the cohort rule), thread hand-offs, and waiting for the core
   while other processes run on it (a shared machine);
-- ``asyncio/q``: the caller's CPU per query of the same ``gather`` over coroutines that only
-  await a future each, resolved together once all are in (:func:`asyncio_floor`, run after the
-  cell): what any awaitable API costs this client (tasks, frames, futures, wake-ups);
+- ``asyncio/q``: the caller's CPU per query of the same ``gather`` over bare futures, resolved
+  together once all are in (:func:`asyncio_floor`, run after the cell): what any awaitable API
+  costs this client at least (futures, ``gather``'s callbacks, wake-ups);
 - ``own/q`` = caller/q + worker/q - asyncio/q: genback's own host work per query, the front on
   the caller's thread and the worker outside the forward (issue 31's "<= 15 µs" target);
 - ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
@@ -327,9 +327,11 @@ def reference_rows(model, contexts) -> list[torch.Tensor]:
 
 async def asyncio_floor(n: int, steps: int) -> float:
     """The caller's CPU µs per query of the same ``gather`` with no genback in it: ``n``
-    coroutines, each awaiting a future of its own, all resolved together by a callback once the
-    last one is in (as the batcher resolves a batch): the tasks, coroutine frames, futures,
-    wake-ups and ``gather``'s callbacks that any awaitable API costs this client."""
+    futures, all resolved together by a callback once the last one is in (as the batcher
+    resolves a batch): the futures, ``gather``'s callbacks and wake-ups that any awaitable API
+    costs this client at least (``next_token_logprobs`` hands out its future itself,
+    :mod:`genback.query_future`; a coroutine per query, each wrapped in a task by ``gather``,
+    costs ~4 µs more a query on this project's CPU)."""
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future] = []
 
@@ -337,12 +339,12 @@ async def asyncio_floor(n: int, steps: int) -> float:
         for f in futures:
             f.set_result(None)
 
-    async def one():
+    def one():
         f = loop.create_future()
         futures.append(f)
         if len(futures) == n:
             loop.call_soon(resolve)
-        return await f
+        return f
 
     spent = 0.0
     for step in range(steps + 1):
