@@ -83,7 +83,9 @@ Run: ``taskset -c 1 python benchmarks/bench_host.py`` (tiny model, full grid), `
 one part; ``--compare-worker K`` runs each cell K times in alternation with every batch on the
 batcher's worker thread (as before a lockstep step ran on the event loop's thread) and prints the
 medians of both: a paired comparison in one process, steadier on a shared machine than two
-processes run one after the other.
+processes run one after the other; ``--compare-coroutine K`` the same against a coroutine around
+each query (``--api coroutine``: a task per query, as before ``next_token_logprobs`` handed out
+its future).
 """
 
 from __future__ import annotations
@@ -311,11 +313,20 @@ class StepClock:
 
 async def ask(lm, contexts, api: str = "gather"):
     """One step's rows: ``gather`` of one ``next_token_logprobs`` per context (what llamppl's
-    particles do), or one ``batch_next_token_logprobs`` call (genlm-control's
-    ``PromptedLLM``; its ``[N, V]`` tensor, unbound into rows for the trace)."""
+    particles do; ``coroutine``: each wrapped in a coroutine of its own), or one
+    ``batch_next_token_logprobs`` call (genlm-control's ``PromptedLLM``; its ``[N, V]`` tensor,
+    unbound into rows for the trace)."""
     if api == "batch":
         return (await lm.batch_next_token_logprobs(contexts)).unbind(0)
+    if api == "coroutine":
+        return await asyncio.gather(*(_awaited(lm.next_token_logprobs(c)) for c in contexts))
     return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
+
+async def _awaited(awaitable):
+    """``--api coroutine``: a query wrapped in a coroutine of its own (a task each in a gather:
+    what every query cost while ``next_token_logprobs`` was a coroutine function)."""
+    return await awaitable
 
 
 def reference_rows(model, contexts) -> list[torch.Tensor]:
@@ -475,12 +486,13 @@ def row_md(model: str, r: dict) -> str:
             f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
 
 
-def compare_md(pairs) -> str:
-    """``--compare-worker``'s table: per cell, the medians of host/q, host/step and own/q of
-    the runs with a step on the event loop's thread (inline) and on the worker thread."""
+def compare_md(pairs, labels: str = "inline / worker") -> str:
+    """``--compare-worker``'s (or ``--compare-coroutine``'s) table: per cell, the medians of
+    host/q, host/step and own/q of the runs of the default route and of the other one
+    (``labels``: theirs)."""
     med = statistics.median
-    out = ["\n| N | context | runs | host/q µs inline / worker | host/step ms inline / worker | "
-           "own/q µs inline / worker |", "|---|---|---|---|---|---|"]
+    out = [f"\n| N | context | runs | host/q µs {labels} | host/step ms {labels} | "
+           f"own/q µs {labels} |", "|---|---|---|---|---|---|"]
     for n, ctx, runs in pairs:
         a, b = runs[False], runs[True]
         out.append(f"| {n} | {ctx} | {len(a)} + {len(b)} | {med(r['host'] for r in a):.0f} / "
@@ -514,14 +526,18 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode", default="auto", choices=["auto", "graphs", "eager", "off"],
                    help="AsyncTransformer's decode mode (default auto: the tree path on the CPU)")
-    p.add_argument("--api", default="gather", choices=["gather", "batch"],
-                   help="a step as a gather of next_token_logprobs calls (default) or one "
-                        "batch_next_token_logprobs call")
+    p.add_argument("--api", default="gather", choices=["gather", "coroutine", "batch"],
+                   help="a step as a gather of next_token_logprobs calls (default), of a "
+                        "coroutine around each, or one batch_next_token_logprobs call")
     p.add_argument("--compare-worker", type=int, default=0, metavar="K",
                    help="run each cell K times in alternation with every batch on the worker "
                         "thread (the batcher's inline_cohort off, rows 'tiny/worker'; each route "
                         "first in every other pair), then the medians of both routes: a paired "
                         "comparison in one process")
+    p.add_argument("--compare-coroutine", type=int, default=0, metavar="K",
+                   help="the same, against a gather of one coroutine per query (--api "
+                        "coroutine, rows 'tiny/coroutine'): the query's future handed out as "
+                        "it is against a task per query")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
     args = p.parse_args(argv)
@@ -549,24 +565,27 @@ def main(argv=None) -> dict:
     if not args.no_smc:
         print("\n" + HEADER + "\n" + "|---" * (HEADER.count("|") - 1) + "|", flush=True)
         pairs = []
+        other, k = (("worker", args.compare_worker) if args.compare_worker
+                    else ("coroutine", args.compare_coroutine))
         for n in args.particles:
             for ctx in args.contexts:
                 runs = {False: [], True: []}
                 # (alternating, each route first in every other pair)
-                order = [w for k in range(args.compare_worker) for w in (k % 2, 1 - k % 2)]
-                for worker in map(bool, order or [0]):
-                    r = asyncio.run(smc_cell(model, tok, n, ctx, steps=args.steps,
-                                             warmup=args.warmup, resample=args.resample,
-                                             seed=args.seed,
-                                             caller_gc_inside=args.caller_gc_inside,
-                                             api=args.api, worker=worker,
-                                             lm_kwargs={"decode": args.decode}))
-                    (results.setdefault("worker", []) if worker else results["smc"]).append(r)
-                    runs[worker].append(r)
-                    print(row_md(args.model + ("/worker" if worker else ""), r), flush=True)
+                order = [w for i in range(k) for w in (i % 2, 1 - i % 2)]
+                for alt in map(bool, order or [0]):
+                    r = asyncio.run(smc_cell(
+                        model, tok, n, ctx, steps=args.steps, warmup=args.warmup,
+                        resample=args.resample, seed=args.seed,
+                        caller_gc_inside=args.caller_gc_inside,
+                        api="coroutine" if alt and other == "coroutine" else args.api,
+                        worker=alt and other == "worker", lm_kwargs={"decode": args.decode}))
+                    (results.setdefault(other, []) if alt else results["smc"]).append(r)
+                    runs[alt].append(r)
+                    print(row_md(args.model + (f"/{other}" if alt else ""), r), flush=True)
                 pairs.append((n, ctx, runs))
-        if args.compare_worker:
-            print(compare_md(pairs), flush=True)
+        if k:
+            print(compare_md(pairs, "inline / worker" if other == "worker"
+                             else "future / coroutine"), flush=True)
     if not args.no_nested:
         r = asyncio.run(nested(model, tok, args.nested_len))
         results["nested"] = r

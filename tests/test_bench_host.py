@@ -139,6 +139,22 @@ def test_compare_worker_runs_both_routes_alike(bench, capsys):
     assert "inline / worker" in capsys.readouterr().out
 
 
+def test_compare_coroutine_runs_both_routes_alike(bench, capsys):
+    """``--compare-coroutine 1``: the cell once as a gather of the queries' futures and once
+    with a coroutine around each query: the same rows (the same sampled trace), forwards and
+    answers."""
+    args = ["--quick", "--no-nested", "--particles", "4", "--contexts", "100",
+            "--compare-coroutine", "1"]
+    results = bench.main(args)
+    (future,), (coroutine,) = results["smc"], results["coroutine"]
+    assert future["answered"] == coroutine["answered"] == future["queries"]
+    assert future["distinct_last"] == coroutine["distinct_last"]
+    assert future["info"]["forwards"] == coroutine["info"]["forwards"]
+    assert future["rows_ok"] and coroutine["rows_ok"]
+    assert max(future["err"], coroutine["err"]) <= 1e-5
+    assert "future / coroutine" in capsys.readouterr().out
+
+
 def test_step_timeline_times_every_phase_and_unwraps():
     """``bench_step_timeline.py``: every phase of every cell timed (finite, >= 0; the forward
     within the compute step), and genback's hand-off points are its own again afterwards."""
