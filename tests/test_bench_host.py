@@ -123,36 +123,25 @@ def test_batch_route_answers_every_query_as_the_gather(bench):
     assert batch["info"]["forwards"] == gather["info"]["forwards"]
 
 
-def test_compare_worker_runs_both_routes_alike(bench, capsys):
+@pytest.mark.parametrize("other, labels", [("worker", "inline / worker"),
+                                           ("coroutine", "future / coroutine")])
+def test_compare_runs_both_routes_alike(bench, capsys, other, labels):
     """``--compare-worker 1``: the cell once with a lockstep step on the event loop's thread and
-    once on the worker: the same rows (the same sampled trace), forwards and answers; the
-    worker route's forwards ran on another thread (its caller CPU excludes them either way)."""
+    once on the worker; ``--compare-coroutine 1``: once as a gather of the queries' futures and
+    once with a coroutine around each query. Either way the same rows (the same sampled trace),
+    forwards and answers; the worker route's forwards ran on another thread (its caller CPU
+    excludes them either way)."""
     args = ["--quick", "--no-nested", "--particles", "4", "--contexts", "100",
-            "--compare-worker", "1"]
+            f"--compare-{other}", "1"]
     results = bench.main(args)
-    (inline,), (worker,) = results["smc"], results["worker"]
-    assert inline["answered"] == worker["answered"] == inline["queries"]
-    assert inline["distinct_last"] == worker["distinct_last"]
-    assert inline["info"]["forwards"] == worker["info"]["forwards"]
-    assert inline["rows_ok"] and worker["rows_ok"] and max(inline["err"], worker["err"]) <= 1e-5
-    assert worker["worker"] > 0 and inline["worker"] < worker["worker"]
-    assert "inline / worker" in capsys.readouterr().out
-
-
-def test_compare_coroutine_runs_both_routes_alike(bench, capsys):
-    """``--compare-coroutine 1``: the cell once as a gather of the queries' futures and once
-    with a coroutine around each query: the same rows (the same sampled trace), forwards and
-    answers."""
-    args = ["--quick", "--no-nested", "--particles", "4", "--contexts", "100",
-            "--compare-coroutine", "1"]
-    results = bench.main(args)
-    (future,), (coroutine,) = results["smc"], results["coroutine"]
-    assert future["answered"] == coroutine["answered"] == future["queries"]
-    assert future["distinct_last"] == coroutine["distinct_last"]
-    assert future["info"]["forwards"] == coroutine["info"]["forwards"]
-    assert future["rows_ok"] and coroutine["rows_ok"]
-    assert max(future["err"], coroutine["err"]) <= 1e-5
-    assert "future / coroutine" in capsys.readouterr().out
+    (first,), (second,) = results["smc"], results[other]
+    assert first["answered"] == second["answered"] == first["queries"]
+    assert first["distinct_last"] == second["distinct_last"]
+    assert first["info"]["forwards"] == second["info"]["forwards"]
+    assert first["rows_ok"] and second["rows_ok"] and max(first["err"], second["err"]) <= 1e-5
+    if other == "worker":
+        assert second["worker"] > 0 and first["worker"] < second["worker"]
+    assert labels in capsys.readouterr().out
 
 
 def test_step_timeline_times_every_phase_and_unwraps():
