@@ -111,6 +111,12 @@ def contexts_at(prompt: list[int], trace, upto: int) -> list[list[int]]:
     return parts
 
 
+async def _awaited(awaitable):
+    """Mode suffix ``/coroutine``: a query inside a coroutine of its own (a task each in the
+    gather, as every query was before ``next_token_logprobs`` handed out its future)."""
+    return await awaitable
+
+
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
                 profile_steps=False, collect_between=False) -> dict:
     """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
@@ -146,6 +152,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             t = time.perf_counter()
             if api == "batch":  # genlm-control's route: one call, one future
                 got = await lm.batch_next_token_logprobs(parts)
+            elif api == "coroutine":  # a coroutine (so a task) around each query's future
+                got = await asyncio.gather(*(_awaited(lm.next_token_logprobs(c)) for c in parts))
             else:
                 got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
             host.append(time.perf_counter() - t)
@@ -351,7 +359,8 @@ def parse(argv):
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
                          "256 keys (DecodeStep.flash_level0); "
                          "a suffix /batch asks each step "
-                         "in one batch_next_token_logprobs call; default auto); the "
+                         "in one batch_next_token_logprobs call, /coroutine wraps each query in "
+                         "a coroutine (a task each); default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: also profile 4 steps per genback run, after 4 warm ones "

@@ -51,7 +51,7 @@ case "$part" in
         # BUDGET seconds (default 560); after each part the logs so far are packed into
         # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
-    for step in tests::150 8b:new:200 1b:new:120 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
+    for step in tests::150 8b:new:200 1b:new:150 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -68,7 +68,7 @@ case "$part" in
       tests/test_decode_step.py tests/test_decode_chunks.py tests/test_decode_graphs.py tests/test_cuda.py \
       tests/test_tree_attention.py tests/test_trie_device_blocks.py 2>&1 | tee "$out/tests.log" ;;
   8b) cells llama-3.1-8b 16,256 1000,4000 auto,auto-flash0,off ;;  # (flash0: level 0 unmasked)
-  1b) cells llama-3.2-1b 16,256 1000,4000 auto,auto-worker,off ;;  # (host-bound: inline vs worker)
+  1b) cells llama-3.2-1b 16,256 1000,4000 auto,auto/coroutine,auto-worker,off ;;  # (host-bound: a task per query; inline vs worker)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;

@@ -107,6 +107,18 @@ def test_the_dense_decode_mode_runs_the_decode_step_without_its_shared_level():
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
 
 
+def test_coroutine_mode_answers_as_the_futures_do():
+    """Mode suffix ``/coroutine`` (a task per query, the route before the query's future was
+    handed out): every step computed alike, the same rows to float32 rounding."""
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
+                          "--steps", "4", "--resample", "2", "--no-loop",
+                          "--genback", "eager,eager/coroutine"])
+    (cell,) = out["cells"]
+    for name in ("genback", "genback[eager/coroutine]"):
+        assert cell[name]["decode_steps"] == 4, name
+        assert cell[name]["err_vs_uncached"] <= 1e-4, name
+
+
 def test_session_summary_lists_every_cell_and_the_old_codes_ratio(tmp_path):
     """``gpu_summary.py`` over a session's folder: one table per bench_gpu.py file, a row per
     method and cell with its figures, "vs old" from the old code's file beside the new one, and
