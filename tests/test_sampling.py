@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import until
 from genback.engine import GenbackEngine, GenerationRequest
 from genback.llm import AsyncTransformer
 from genback.sampling import Choice, Pick, SamplingParams, choose
@@ -130,14 +131,34 @@ async def test_concurrent_generations_step_in_one_forward(tiny_lm):
 
 async def test_late_joiners_merge_into_the_lockstep_batch(tiny_lm):
     """Generations started in two waves end up stepping in one batch: the batcher dispatches
-    the pending queries only after the callers it just answered have queued their next ones."""
-    before = tiny_lm.cache_info()["batches"]
-    first = [asyncio.create_task(tiny_lm.sample([20 + i, 5], 12, [], seed=i)) for i in range(3)]
-    await asyncio.sleep(0.01)  # the first wave's first batch is dispatched without the second
-    second = [asyncio.create_task(tiny_lm.sample([30 + i, 6], 12, [], seed=i)) for i in range(3)]
-    outs = await asyncio.gather(*first, *second)
+    the pending queries only after the callers it just answered have queued their next ones.
+    The second wave starts while the first wave's first forward runs (an event, not a sleep: a
+    fast machine ran several steps of the first wave alone within a fixed sleep)."""
+    loop = asyncio.get_running_loop()
+    second: list = []
+
+    def start_second():
+        second.extend(asyncio.create_task(tiny_lm.sample([30 + i, 6], 12, [], seed=i))
+                      for i in range(3))
+
+    def on_first_forward(module, args):
+        if not started:
+            started.append(True)
+            loop.call_soon_threadsafe(start_second)
+
+    started: list = []
+    hook = tiny_lm.runner.model.register_forward_pre_hook(on_first_forward)
+    try:
+        before = tiny_lm.cache_info()["batches"]
+        first = [asyncio.create_task(tiny_lm.sample([20 + i, 5], 12, [], seed=i))
+                 for i in range(3)]
+        await until(lambda: len(second) == 3, "the second wave started")
+        outs = await asyncio.gather(*first, *second)
+    finally:
+        hook.remove()
     assert all(len(o) == 12 for o in outs)
-    # 12 steps each; two waves split into two cohorts would take ~24 batches
+    # 12 steps each, the first wave's first alone; two waves split into two cohorts would take
+    # ~24 batches
     assert tiny_lm.cache_info()["batches"] - before <= 12 + 2
 
 
