@@ -38,9 +38,13 @@ class QueryFuture(asyncio.Future):
         raise StopIteration(self.result())  # (result() raises the error, or CancelledError)
 
     def throw(self, typ, val=None, tb=None):
-        """Raise the error a task throws in (its cancellation, or the awaited future's error)."""
+        """Raise the error a task throws in (its cancellation, or the awaited future's error);
+        a cancellation also cancels this future (a task cancelled before its first step never
+        waited on it), so the batcher leaves the query out."""
         if val is None:
             val = typ() if isinstance(typ, type) else typ
+        if isinstance(val, asyncio.CancelledError):
+            self.cancel()
         raise val.with_traceback(tb) if tb is not None else val
 
     def close(self) -> None:

@@ -68,14 +68,17 @@ async def test_a_cancelled_task_cancels_its_query_and_the_others_are_served(tiny
         base = list(range(400, 430))
         kept = [asyncio.create_task(lm.next_token_logprobs(base + [i])) for i in range(3)]
         dropped = asyncio.create_task(lm.next_token_logprobs(base + [99]))
+        early = asyncio.create_task(lm.next_token_logprobs(base + [98]))
+        early.cancel()  # (before its first step: it never waits on the future)
         await asyncio.sleep(0)  # (each task has queued its query; the batch waits)
         assert len(lm.scheduler.pending(asyncio.get_running_loop())) == 4
         dropped.cancel()
         lm.scheduler.flush(asyncio.get_running_loop())
         rows = await asyncio.gather(*kept)
-        with pytest.raises(asyncio.CancelledError):
-            await dropped
-        assert lm.cache_info()["batched_queries"] == 3  # the cancelled one was not computed
+        for task in (dropped, early):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert lm.cache_info()["batched_queries"] == 3  # the cancelled ones were not computed
         for i, row in enumerate(rows):
             torch.testing.assert_close(row, lm.next_token_logprobs_uncached(base + [i]),
                                        rtol=0, atol=1e-5)
