@@ -8,7 +8,7 @@ forward lock, which serialises the runner's use; and the scheduler, built from w
 declares (:class:`~genback.runner.Capabilities`): genback's :class:`~genback.batcher.Batcher`, or
 :class:`~genback.immediate.Immediate` for a runner whose engine batches by itself.
 
-Four ways in, and the path each takes:
+Five ways in, and the path each takes:
 
 * :meth:`Front.ask` (``await``): :meth:`Front.lookup` (counted; a cached row is answered at
   once), else :meth:`Front.submit`: the scheduler's future. The batcher runs its batches on its
@@ -18,8 +18,10 @@ Four ways in, and the path each takes:
   the output cache, and each caller gets its own copy (:mod:`genback.rows`). With
   ``Immediate``, each query goes to
   the runner's ``answer_shared`` and its row is stored.
+* :meth:`Front.next_token_row` (``next_token_logprobs``): the same lookup, and the batcher's
+  future itself handed out (:mod:`genback.query_future`: no task per query in a gather).
 * :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
-  (``next_token_logprobs``: no coroutine of its own per query).
+  (the decoding loop: no coroutine of its own per query).
 * :meth:`Front.ask_sync`: distinct queries computed on the calling thread in one batch, by the
   same compute step.
 
