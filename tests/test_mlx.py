@@ -12,7 +12,9 @@ MLX-against-itself checks use a few contexts each; the cross-backend check uses 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import threading
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ pytest.importorskip("mlx.core", reason='mlx is not installed: pip install "genba
 pytest.importorskip("mlx_lm", reason='mlx-lm is not installed: pip install "genback[mlx]"')
 
 from genback.llm import AsyncMlxLM, BatcherClosed, load_model_by_name  # noqa: E402
+from genback.runners.mlx import thread as mlx_thread  # noqa: E402
 
 CROSS_TOL = 1e-3  # MLX fp32 vs HF fp32 (different kernels)
 SELF_TOL = 1e-4  # MLX cached / batched paths vs MLX uncached on SmolLM2 (the README's promise: 1e-4)
@@ -263,3 +266,46 @@ def test_close_fails_later_queries():
     asyncio.run(lm.aclose())  # idempotent
     with pytest.raises(BatcherClosed):
         asyncio.run(lm.next_token_logprobs([1, 2, 3]))
+
+
+def test_mlx_work_runs_on_one_thread_that_outlives_close(mlx_lm, text_ids):
+    """Every MLX runner's work runs on the process's MLX thread, and closing a model leaves that
+    thread running: an MLX thread that ends at interpreter shutdown aborts the process (mlx
+    0.32's per-thread compile cache is released by a thread-exit destructor that needs the GIL).
+    """
+    seen = []
+    other = AsyncMlxLM.from_name("smollm2-135m")
+    run_all = other.runner._run_all
+
+    def spy(queries):  # the runner's step, as run on its thread
+        seen.append(threading.current_thread())
+        return run_all(queries)
+
+    other.runner._run_all = spy
+    try:
+        row = other.next_token_logprobs_sync(text_ids[:5])
+        assert (row - mlx_lm.next_token_logprobs_uncached(text_ids[:5])).abs().max() < SELF_TOL
+    finally:
+        other.close()
+    assert seen and {t.name for t in seen} == {"genback-mlx"} and len(set(seen)) == 1
+    (worker,) = set(seen)
+    assert worker.is_alive() and worker.daemon  # closing the model did not end it
+    assert mlx_thread.on_mlx_thread(threading.current_thread) is worker  # the one all models use
+
+
+def test_mlx_thread_returns_raises_nests_and_restarts_after_fork(monkeypatch):
+    worker = mlx_thread.on_mlx_thread(threading.current_thread)
+    assert worker is not threading.current_thread() and worker.daemon
+    assert mlx_thread.on_mlx_thread(divmod, 7, 2) == (3, 1)
+    with pytest.raises(ZeroDivisionError):
+        mlx_thread.on_mlx_thread(divmod, 1, 0)
+    # a call made on the MLX thread runs at once (waiting for the thread itself would deadlock)
+    assert mlx_thread.on_mlx_thread(mlx_thread.on_mlx_thread, threading.current_thread) is worker
+    assert mlx_thread.on_mlx_thread(threading.current_thread) is worker  # still served
+    # a forked child (another pid) has no copy of the thread: its first call starts its own
+    for name in ("_thread", "_work", "_pid"):  # the parent's thread is served again afterwards
+        monkeypatch.setattr(mlx_thread, name, getattr(mlx_thread, name))
+    pid = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: pid + 1)
+    child = mlx_thread.on_mlx_thread(threading.current_thread)
+    assert child is not worker and child.is_alive() and child.daemon

@@ -18,12 +18,12 @@ space layers) are computed without reuse.
 LoRA: queries under different adapters are forwarded apart, each after activating its adapter
 (:mod:`genback.runners.mlx.lora`); the base model's forwards run the original modules only.
 
-All MLX work runs on one dedicated thread (MLX streams are per thread on some devices).
+All MLX work runs on the process's MLX thread (:mod:`genback.runners.mlx.thread`: MLX streams and
+compiled functions are per thread, and an MLX thread that exits at shutdown can abort the process).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -33,6 +33,7 @@ from ...query import NextToken, Prefill, Query, Score
 from ...runner import Capabilities, check_pin_budget
 from .forward import answers, cache_arrays, chunk_bounds, log_softmax, stacked_cache
 from .kv import PrefixKV, _lcp
+from .thread import on_mlx_thread
 
 
 def _kind(q: Query):
@@ -84,11 +85,7 @@ class MlxRunner:
         self.forwards = 0
         self.tokens_forwarded = 0
         self.tokens_reused = 0
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genback-mlx")
-        self.vocab_size, self.reuse, self._head = self._on_thread(self._probe)
-
-    def _on_thread(self, fn, *args):
-        return self._thread.submit(fn, *args).result()
+        self.vocab_size, self.reuse, self._head = on_mlx_thread(self._probe)
 
     def _probe(self) -> tuple:
         """``(logit width, whether the model's caches are plain trimmable KVCache, head)``.
@@ -127,7 +124,7 @@ class MlxRunner:
     # -- the runner protocol ----------------------------------------------------------------------
 
     def run(self, queries: Sequence[Query]) -> list:
-        return self._on_thread(self._run_all, list(queries))
+        return on_mlx_thread(self._run_all, list(queries))
 
     def stats(self) -> dict:
         return {
@@ -147,7 +144,7 @@ class MlxRunner:
     def add_adapter(self, path: str) -> int:
         """Load the mlx-lm LoRA adapter in folder ``path``; return its key (see
         :mod:`genback.runners.mlx.lora`). Raises ValueError for an adapter that does not fit."""
-        return self._on_thread(self._add_adapter, path)
+        return on_mlx_thread(self._add_adapter, path)
 
     def _add_adapter(self, path: str) -> int:
         from .lora import MlxAdapters
@@ -164,7 +161,7 @@ class MlxRunner:
     def remove_adapter(self, key: int, error: BaseException | None = None) -> None:
         """Free adapter ``key`` and every KV entry computed under it (under the forward lock:
         none of its queries is computing, so ``error`` has no one to fail)."""
-        self._on_thread(self._remove_adapter, key)
+        on_mlx_thread(self._remove_adapter, key)
 
     def _remove_adapter(self, key: int) -> None:
         self.store.drop_adapter(key)
@@ -181,12 +178,12 @@ class MlxRunner:
         Raises:
             ValueError: the prompt's KV, with what is pinned already, exceeds the KV budget.
         """
-        self._on_thread(self._pin, tokens, adapter)
+        on_mlx_thread(self._pin, tokens, adapter)
 
     def uncached_row(self, tokens: tuple[int, ...], adapter: int | None = None) -> torch.Tensor:
         """Reference: one fresh forward of ``tokens`` alone (no store, no batching, no chunks)
         under ``adapter`` (None: the base model); float32 CPU ``[V]``."""
-        return self._on_thread(self._uncached_row, tokens, adapter)
+        return on_mlx_thread(self._uncached_row, tokens, adapter)
 
     def _uncached_row(self, tokens: tuple[int, ...], adapter: int | None) -> torch.Tensor:
         import mlx.core as mx
@@ -199,7 +196,6 @@ class MlxRunner:
 
     def close(self) -> None:
         self.store.clear(keep_pinned=False)
-        self._thread.shutdown(wait=True)
 
     # -- planning -------------------------------------------------------------------------------------
 
