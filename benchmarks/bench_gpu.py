@@ -125,19 +125,24 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     from genback.llm import AsyncTransformer
 
     G.reset_peak(device)
+    mode = decode
     decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
     worker = decode.endswith("-worker")  # every batch on the worker thread (no inline step)
     decode = decode.removesuffix("-worker")
     flash0 = decode.endswith("-flash0")  # level 0 unmasked but for its last 256 keys
     decode = decode.removesuffix("-flash0")
     dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
-    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window,
-                          decode=decode.removesuffix("-dense"))
+    decode = decode.removesuffix("-dense")
+    lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
+    step = lm.runner.decode_step
+    if (dense or flash0) and step is None:  # (auto runs the tree path on the CPU)
+        raise ValueError(f"--genback {mode}: -dense and -flash0 set the decode step's options, and "
+                         f"decode={decode!r} on {device} runs none (use eager-...)")
     if dense:
-        lm.runner.decode_step.min_prefix = sys.maxsize
+        step.min_prefix = sys.maxsize
     if flash0:
-        lm.runner.decode_step.flash_level0 = True
+        step.flash_level0 = True
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
@@ -176,7 +181,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
            "host_median_s": float(np.median(host)), "rows": rows,
            "peak_bytes": peak, "attention": info.get("attention"),
            "forwards": info.get("forwards"), "tokens_forwarded": info.get("tokens_forwarded"),
-           "decode": decode, **prof}
+           "decode": mode, **prof}  # (the --genback mode as given)
     for k in ("decode_steps", "decode_replays", "decode_captures", "decode_graphs_verified",
               "decode_graphs_rejected", "decode_capture_seconds",
               "decode_graph_bytes", "decode_split_steps"):
