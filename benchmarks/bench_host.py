@@ -85,7 +85,9 @@ batcher's worker thread (as before a lockstep step ran on the event loop's threa
 medians of both: a paired comparison in one process, steadier on a shared machine than two
 processes run one after the other; ``--compare-coroutine K`` the same against a coroutine around
 each query (``--api coroutine``: a task per query, as before ``next_token_logprobs`` handed out
-its future).
+its future); ``--compare-context K`` against contexts held as ``lm.context(ids)`` objects and
+extended by ``+`` (``--api context``: each step's check costs the added token, where a list is
+compared with its parent item by item).
 """
 
 from __future__ import annotations
@@ -313,7 +315,8 @@ class StepClock:
 
 async def ask(lm, contexts, api: str = "gather"):
     """One step's rows: ``gather`` of one ``next_token_logprobs`` per context (what llamppl's
-    particles do; ``coroutine``: each wrapped in a coroutine of its own), or one
+    particles do; ``coroutine``: each wrapped in a coroutine of its own; ``context``: the
+    contexts are ``lm.context`` objects, asked alike), or one
     ``batch_next_token_logprobs`` call (genlm-control's ``PromptedLLM``; its ``[N, V]`` tensor,
     unbound into rows for the trace)."""
     if api == "batch":
@@ -400,6 +403,8 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     gen = torch.Generator().manual_seed(seed)
     width = model.get_output_embeddings().weight.shape[0]
     parts = [text_ids(tok, context)] * n
+    if api == "context":  # (smc_advance's p + [t] extends them as it extends lists)
+        parts = [lm.context(parts[0])] * n
     answered, rows_ok = 0, True
     ctx_gc = 0.0
     try:
@@ -425,7 +430,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
         gc_clock.remove()
         await lm.aclose()
     picked = [0, n - 1][:check]
-    refs = reference_rows(model, [parts[i] for i in picked])
+    refs = reference_rows(model, [list(parts[i]) for i in picked])
     err = max((float((rows[i] - ref).abs().max()) for i, ref in zip(picked, refs)), default=0.0)
     distinct = len({tuple(p) for p in parts})
     floor = await asyncio_floor(n, steps)
@@ -487,7 +492,7 @@ def row_md(model: str, r: dict) -> str:
 
 
 def compare_md(pairs, labels: str = "inline / worker") -> str:
-    """``--compare-worker``'s (or ``--compare-coroutine``'s) table: per cell, the medians of
+    """``--compare-worker``'s (``--compare-coroutine``'s, ``--compare-context``'s) table: per cell, the medians of
     host/q, host/step and own/q of the runs of the default route and of the other one
     (``labels``: theirs)."""
     med = statistics.median
@@ -526,9 +531,10 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode", default="auto", choices=["auto", "graphs", "eager", "off"],
                    help="AsyncTransformer's decode mode (default auto: the tree path on the CPU)")
-    p.add_argument("--api", default="gather", choices=["gather", "coroutine", "batch"],
+    p.add_argument("--api", default="gather", choices=["gather", "coroutine", "batch", "context"],
                    help="a step as a gather of next_token_logprobs calls (default), of a "
-                        "coroutine around each, or one batch_next_token_logprobs call")
+                        "coroutine around each, or one batch_next_token_logprobs call; context: "
+                        "a gather over lm.context objects extended by +")
     p.add_argument("--compare-worker", type=int, default=0, metavar="K",
                    help="run each cell K times in alternation with every batch on the worker "
                         "thread (the batcher's inline_cohort off, rows 'tiny/worker'; each route "
@@ -538,6 +544,10 @@ def parse(argv=None):
                    help="the same, against a gather of one coroutine per query (--api "
                         "coroutine, rows 'tiny/coroutine'): the query's future handed out as "
                         "it is against a task per query")
+    p.add_argument("--compare-context", type=int, default=0, metavar="K",
+                   help="the same, against contexts held as lm.context objects (--api context, "
+                        "rows 'tiny/context'): a list compared with its parent item by item "
+                        "against a context object whose added token alone is checked")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 16 particles x 100 and 1,000 tokens, 3 steps, 64 nested")
     args = p.parse_args(argv)
@@ -566,6 +576,7 @@ def main(argv=None) -> dict:
         print("\n" + HEADER + "\n" + "|---" * (HEADER.count("|") - 1) + "|", flush=True)
         pairs = []
         other, k = (("worker", args.compare_worker) if args.compare_worker
+                    else ("context", args.compare_context) if args.compare_context
                     else ("coroutine", args.compare_coroutine))
         for n in args.particles:
             for ctx in args.contexts:
@@ -577,15 +588,15 @@ def main(argv=None) -> dict:
                         model, tok, n, ctx, steps=args.steps, warmup=args.warmup,
                         resample=args.resample, seed=args.seed,
                         caller_gc_inside=args.caller_gc_inside,
-                        api="coroutine" if alt and other == "coroutine" else args.api,
+                        api=other if alt and other in ("coroutine", "context") else args.api,
                         worker=alt and other == "worker", lm_kwargs={"decode": args.decode}))
                     (results.setdefault(other, []) if alt else results["smc"]).append(r)
                     runs[alt].append(r)
                     print(row_md(args.model + (f"/{other}" if alt else ""), r), flush=True)
                 pairs.append((n, ctx, runs))
         if k:
-            print(compare_md(pairs, "inline / worker" if other == "worker"
-                             else "future / coroutine"), flush=True)
+            print(compare_md(pairs, {"worker": "inline / worker", "context": "list / context"}
+                             .get(other, "future / coroutine")), flush=True)
     if not args.no_nested:
         r = asyncio.run(nested(model, tok, args.nested_len))
         results["nested"] = r

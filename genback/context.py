@@ -14,10 +14,17 @@ The front's memory of validated contexts (:class:`genback.core.inputs.ContextChe
 them; a query carries one as its :attr:`genback.query.Query.context`, and its flat tuple
 (:attr:`Context.tokens`) is built only when something asks for it (then kept): the HF runner's
 uniform decode step reads a context's length, its last token and a slice of its tail only.
+
+Callers hold them too (``lm.context(ids)``, then ``ctx + [token]`` each step): a context made by
+``+`` remembers the context it extends until a model has checked it, so the model checks only the
+tokens added (:meth:`genback.core.inputs.ContextChecker.check_context`), and a step's check costs
+the same at 100 tokens as at 100,000. A list of the same ids is compared item by item instead
+(its items could have changed since the last step).
 """
 
 from __future__ import annotations
 
+import numbers
 from itertools import chain
 
 from .cpython import untrack_ids
@@ -30,22 +37,29 @@ class Context:
     """Token ids ``base + tail``, immutable: a sequence of ints with tuple equality.
 
     Args:
-        base: a tuple of exact ints (validated; shared by the contexts that extend it).
+        base: a tuple of exact ints (shared by the contexts that extend it).
         tail: a short tuple of exact ints after ``base``.
+        vocab: the contexts's ids are known to lie in ``[0, vocab)`` (a model with a
+            vocabulary of at least ``vocab`` ids takes it unchecked); 0: not checked yet.
 
-    ``len``, indexing and :meth:`extend` cost nothing that grows with the context, a slice
+    ``len``, indexing, :meth:`extend` and ``+`` cost nothing that grows with the context, a slice
     what a tuple's slice costs; slices with a step, comparison with another context or a
     tuple, and ``hash`` build the flat tuple once (:attr:`tokens`). Equal to a tuple or
-    context of the same ids; hashes as that tuple.
+    context of the same ids; hashes as that tuple. Made by a model (``lm.context(ids)``, or
+    the front for each query), not directly.
     """
 
-    __slots__ = ("base", "tail", "_n", "_flat")
+    __slots__ = ("base", "tail", "_n", "_flat", "vocab", "parent")
 
-    def __init__(self, base: tuple, tail: tuple = ()):
+    def __init__(self, base: tuple, tail: tuple = (), vocab: int = 0):
         self.base = base
         self.tail = tail
         self._n = len(base) + len(tail)
         self._flat = None if tail else base
+        self.vocab = vocab
+        # the context this one extends, made by ``+`` and not checked yet (dropped once a model
+        # has checked this one: a chain of contexts is never kept alive)
+        self.parent: Context | None = None
 
     @property
     def tokens(self) -> tuple:
@@ -57,12 +71,35 @@ class Context:
 
     def extend(self, token: int) -> "Context":
         """This context plus ``token`` (a checked id): the same ``base`` and a longer tail,
-        or, when the tail holds :data:`TAIL_MAX` tokens, a new flat base."""
-        if len(self.tail) < TAIL_MAX:
-            return Context(self.base, self.tail + (token,))
+        or, when the tail holds :data:`TAIL_MAX` tokens, a new flat base; checked as this one
+        is."""
+        return self._joined((token,), self.vocab)
+
+    def _joined(self, extra: tuple, vocab: int) -> "Context":
+        if len(self.tail) + len(extra) <= TAIL_MAX:
+            return Context(self.base, self.tail + extra, vocab)
         flat = self._flat
-        return Context(untrack_ids((flat if flat is not None else self.base + self.tail)
-                                   + (token,)))
+        return Context(untrack_ids((flat if flat is not None else self.base + self.tail) + extra),
+                       (), vocab)
+
+    def __add__(self, other) -> "Context":
+        """``ctx + [token, ...]`` (a list or tuple of ints; NumPy integers become ints): the longer context, in O(added tokens) but once every :data:`TAIL_MAX` tokens.
+        A model checks only the added ids when it is asked (their range: ``ValueError`` there).
+
+        Raises:
+            TypeError: ``other`` is not a list or tuple of integers (bools refused).
+        """
+        kind = type(other)
+        if kind is not list and kind is not tuple:
+            return NotImplemented
+        extra = tuple(other)
+        if not extra:
+            return self
+        if set(map(type, extra)) - {int}:  # (C-level for plain ints)
+            extra = _exact_ints(extra)
+        out = self._joined(extra, 0)
+        out.parent = self
+        return out
 
     def __len__(self) -> int:
         return self._n
@@ -110,6 +147,16 @@ class Context:
 
     def __repr__(self) -> str:
         return f"Context({self._n} tokens, tail {len(self.tail)})"
+
+
+def _exact_ints(ids: tuple) -> tuple:
+    """``ids`` as plain ints (NumPy and torch integers converted), or ``TypeError`` naming the
+    first item that is not an integer (bools refused)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"a context extends by int token ids; item {i} is "
+                            f"{type(t).__name__}: {t!r}")
+    return tuple(int(t) for t in ids)
 
 
 def flat(tokens) -> tuple:

@@ -124,11 +124,13 @@ def test_batch_route_answers_every_query_as_the_gather(bench):
 
 
 @pytest.mark.parametrize("other, labels", [("worker", "inline / worker"),
-                                           ("coroutine", "future / coroutine")])
+                                           ("coroutine", "future / coroutine"),
+                                           ("context", "list / context")])
 def test_compare_runs_both_routes_alike(bench, capsys, other, labels):
     """``--compare-worker 1``: the cell once with a lockstep step on the event loop's thread and
     once on the worker; ``--compare-coroutine 1``: once as a gather of the queries' futures and
-    once with a coroutine around each query. Either way the same rows (the same sampled trace),
+    once with a coroutine around each query; ``--compare-context 1``: once over lists, once over
+    ``lm.context`` objects extended by ``+``. Each way the same rows (the same sampled trace),
     forwards and answers; the worker route's forwards ran on another thread (its caller CPU
     excludes them either way)."""
     args = ["--quick", "--no-nested", "--particles", "4", "--contexts", "100",
@@ -138,6 +140,7 @@ def test_compare_runs_both_routes_alike(bench, capsys, other, labels):
     assert first["answered"] == second["answered"] == first["queries"]
     assert first["distinct_last"] == second["distinct_last"]
     assert first["info"]["forwards"] == second["info"]["forwards"]
+    assert first["info"]["tokens_forwarded"] == second["info"]["tokens_forwarded"]
     assert first["rows_ok"] and second["rows_ok"] and max(first["err"], second["err"]) <= 1e-5
     if other == "worker":
         assert second["worker"] > 0 and first["worker"] < second["worker"]

@@ -3,11 +3,14 @@ of the same ids, and the front's memory of contexts over SMC-shaped runs."""
 
 import gc
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from genback.context import TAIL_MAX, Context, flat
+from genback.core import inputs
 from genback.core.inputs import ContextChecker
 from genback.query import NextToken, context_hash
 
@@ -140,3 +143,149 @@ def test_a_decoding_step_chooses_from_a_context_as_from_its_tuple(params):
     assert ctx.tail and ctx.tokens == ids
     pick = Pick(SamplingParams(logprobs=True, **params), prompt_length=40, step=3)
     assert choose(logits, ctx, pick) == choose(logits, ids, pick)
+
+
+# -- contexts held by callers (lm.context(ids), then ctx + [token]) -------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(base=st.lists(st.integers(0, 999), min_size=1, max_size=80),
+       adds=st.lists(st.lists(st.integers(0, 1100), max_size=2 * TAIL_MAX), max_size=6),
+       vocab=st.sampled_from([1000, 1200]))
+def test_a_chain_of_plus_reads_as_the_lists_and_checks_its_added_ids_only(base, adds, vocab):
+    """``ctx + ids`` over any chain (tails filled and flattened) is the concatenated list; the
+    checker takes it (and every context it was made from) exactly when every id is in range,
+    with the list's hash, marks it checked, and never runs the whole-context check on it."""
+    full = []
+    real = inputs.check_token_ids
+
+    def counted(ids, *args, **kwargs):
+        full.append(len(ids))
+        return real(ids, *args, **kwargs)
+
+    inputs.check_token_ids = counted
+    try:
+        check = ContextChecker(vocab_size=vocab)
+        root, _, _ = check.check_context(list(base))
+        assert root.vocab == vocab and full == [len(base)]
+        ctx, ref = root, list(base)
+        for extra in adds:
+            ctx, ref = ctx + extra, ref + extra
+            assert list(ctx) == ref and len(ctx.tail) <= TAIL_MAX
+        assert (ctx + []) is ctx and ctx == tuple(ref)
+        bad = next((i for i, t in enumerate(ref) if t >= vocab), None)
+        if bad is not None:
+            with pytest.raises(ValueError, match=rf"token_ids\[{bad}\] = {ref[bad]} is outside"):
+                check.check_context(ctx)
+            assert ctx.vocab == 0  # (not taken: asking again raises again)
+        else:
+            got, h, parent = check.check_context(ctx)
+            assert got is ctx and h == context_hash(tuple(ref)) and ctx.vocab == vocab
+            assert ctx.parent is None  # (nothing before it kept alive by it)
+            last = next((extra for extra in reversed(adds) if extra), None)
+            # the parent, for a one-token extension only (the decode step's plan)
+            assert (parent is not None) == (last is not None and len(last) == 1)
+            if parent is not None:
+                assert list(parent) == ref[:-1] and parent.vocab == vocab
+            assert check.check_context(ctx)[0] is ctx  # checked: taken as it is
+            assert check.check_context(list(ref))[0] is ctx  # a list of its ids finds it
+        assert full == [len(base)]  # the first check alone was a whole-context check
+    finally:
+        inputs.check_token_ids = real
+
+
+def test_contexts_checked_for_another_vocabulary():
+    """A context checked against a larger vocabulary is checked again, in full, by a model with
+    a smaller one (and refused if an id is beyond it); one checked against a smaller one is
+    taken by a larger as it is."""
+    big, small = ContextChecker(vocab_size=50_000), ContextChecker(vocab_size=1000)
+    ctx = big.check_context([10, 20, 30])[0] + [40_000]
+    assert big.check_context(ctx)[0] is ctx and ctx.vocab == 50_000
+    with pytest.raises(ValueError, match=r"token_ids\[3\] = 40000 is outside"):
+        small.check_context(ctx)
+    ok = small.check_context([1, 2])[0] + [3]
+    assert small.check_context(ok)[0] is ok and ok.vocab == 1000
+    assert big.check_context(ok)[0] is ok and ok.vocab == 1000  # (ids < 1000 < 50,000)
+
+
+def test_plus_takes_integers_only():
+    ctx = ContextChecker(vocab_size=100).check_context([1, 2])[0]
+    assert list(ctx + [np.int64(5), 6]) == [1, 2, 5, 6] and type((ctx + [np.int64(5)])[-1]) is int
+    for bad in ([1.5], [True], [None], ["3"]):
+        with pytest.raises(TypeError, match="int token ids"):
+            ctx + bad
+    with pytest.raises(TypeError):
+        ctx + "ab"
+    with pytest.raises(TypeError):
+        ctx + 3
+
+
+async def test_smc_steps_on_context_objects_equal_lists(tiny_hf, gpt2_tok, monkeypatch):
+    """The same SMC trace asked as lists and as ``lm.context`` objects extended by ``+`` (two
+    fresh models): the same rows, forwards and tokens forwarded, rows equal to uncached
+    forwards; the object route checks each step's added token only (no whole-context check
+    after the prompt's, no comparison of a context with its parent)."""
+    import asyncio
+
+    from genback.llm import AsyncTransformer
+
+    prompt = gpt2_tok.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    results = {}
+    for route in ("list", "context"):
+        lm = AsyncTransformer(tiny_hf, gpt2_tok)
+        gen = torch.Generator().manual_seed(0)
+        parts = [lm.context(prompt) if route == "context" else list(prompt)] * 8
+        full, compared = [], []
+        if route == "context":  # (after lm.context: the prompt's own check)
+            real, same = inputs.check_token_ids, inputs.same_items
+            monkeypatch.setattr(inputs, "check_token_ids",
+                                lambda *a, **k: full.append(a) or real(*a, **k))
+            monkeypatch.setattr(inputs, "same_items",
+                                lambda *a: compared.append(a) or same(*a))
+        steps = []
+        for step in range(12):
+            rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+            steps.append((list(map(list, parts)), torch.stack(rows)))
+            nxt = torch.multinomial(torch.stack(rows).exp(), 1, generator=gen)[:, 0].tolist()
+            parts = [p + [t] for p, t in zip(parts, nxt)]
+            if step % 4 == 3:
+                parts = [parts[i] for i in (0, 0, 1, 1, 2, 3, 3, 3)]
+        info = lm.cache_info()
+        asked, last = steps[-1]
+        for i in (0, 7):
+            ref = lm.next_token_logprobs_uncached(asked[i])
+            assert (last[i] - ref).abs().max() < 1e-5
+        if route == "context":
+            assert all(type(p) is Context for p in parts) and not full and not compared
+        results[route] = (steps, info["forwards"], info["tokens_forwarded"])
+        await lm.aclose()
+    (steps_l, fw_l, tok_l), (steps_c, fw_c, tok_c) = results["list"], results["context"]
+    for (asked_l, rows_l), (asked_c, rows_c) in zip(steps_l, steps_c):
+        assert asked_l == asked_c and torch.equal(rows_l, rows_c)
+    assert (fw_c, tok_c) == (fw_l, tok_l)
+
+
+async def test_context_objects_on_smollm2_and_in_batch_calls(module_smol_lm):
+    """The real SmolLM2: rows of ``lm.context`` objects extended by ``+`` (one token, several,
+    a chain never asked in between) equal uncached forwards, through ``next_token_logprobs``,
+    ``batch_next_token_logprobs`` and ``next_token_logprobs_sync``; a bad id added fails its own
+    caller (where awaited), the others are answered."""
+    import asyncio
+
+    lm = module_smol_lm
+    ids = lm.tokenizer.encode("The capital of France is")
+    ctx = lm.context(ids)
+    kids = [ctx + [t] for t in lm.tokenizer.encode(" Paris, and the")]
+    kids.append(ctx + [11, 12] + [13])  # (a chain: the middle context is never asked)
+    bad = ctx + [lm.vocab_size]
+    rows = await asyncio.gather(*(lm.next_token_logprobs(k) for k in [*kids, bad]),
+                                return_exceptions=True)
+    assert isinstance(rows[-1], ValueError) and f"token_ids[{len(ids)}]" in str(rows[-1])
+    for k, row in zip(kids, rows):
+        assert (row - lm.next_token_logprobs_uncached(list(k))).abs().max() < 1e-4
+    batch = await lm.batch_next_token_logprobs(kids)
+    assert torch.equal(batch, torch.stack(rows[:-1]))
+    assert torch.equal(lm.next_token_logprobs_sync(kids[0] + [5]),
+                       lm.next_token_logprobs_sync(list(kids[0]) + [5]))
+    assert lm.tokenizer.decode(int(lm.next_token_logprobs_sync(ctx).argmax())) == " Paris"
+    with pytest.raises(TypeError, match="token_ids"):
+        lm.context("The capital")

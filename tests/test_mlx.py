@@ -309,3 +309,21 @@ def test_mlx_thread_returns_raises_nests_and_restarts_after_fork(monkeypatch):
     monkeypatch.setattr(os, "getpid", lambda: pid + 1)
     child = mlx_thread.on_mlx_thread(threading.current_thread)
     assert child is not worker and child.is_alive() and child.daemon
+
+
+def test_context_objects_answer_as_lists(mlx_lm, text_ids):
+    """``lm.context`` objects extended by ``+`` on the MLX backend: the rows of the same ids as
+    lists, each step one forward from the last step's KV."""
+    ctx = mlx_lm.context(text_ids[:12])
+
+    async def steps():
+        nonlocal ctx
+        for t in text_ids[12:15]:
+            ctx = ctx + [t]
+            f0 = mlx_lm.cache_info()["forwards"]
+            got = await mlx_lm.next_token_logprobs(ctx)
+            assert mlx_lm.cache_info()["forwards"] - f0 == 1
+            want = mlx_lm.next_token_logprobs_uncached(list(ctx))
+            assert (got - want).abs().max() < SELF_TOL
+
+    asyncio.run(steps())

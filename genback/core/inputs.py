@@ -22,15 +22,15 @@ def check_token_ids(
 ) -> tuple[int, ...]:
     """Return ``token_ids`` as a tuple of Python ints after checking them.
 
-    Accepts a list or tuple of ints (NumPy integers too), or a 1-D integer NumPy array or torch
-    tensor (any device).
+    Accepts a list or tuple of ints (NumPy integers too), a :class:`~genback.context.Context`,
+    or a 1-D integer NumPy array or torch tensor (any device).
 
     Raises:
         TypeError: ``token_ids`` is not a sequence of integers (a str, floats, bools, a 2-D array).
         ValueError: it is empty (unless ``allow_empty``) or an id lies outside ``[0, vocab_size)``.
     """
-    if isinstance(token_ids, (list, tuple)):
-        ids = tuple(token_ids)
+    if isinstance(token_ids, (list, tuple, Context)):
+        ids = token_ids.tokens if type(token_ids) is Context else tuple(token_ids)
         if set(map(type, ids)) - {int}:  # (C-level: no per-id Python frame)
             ids = _exact_ints(ids, name)
     elif isinstance(token_ids, (torch.Tensor, np.ndarray)):
@@ -79,10 +79,12 @@ def _array_ids(array, name: str) -> tuple[int, ...]:
     return tuple(array.tolist())
 
 
-def _raise_out_of_vocab(ids: tuple[int, ...], vocab_size: int, name: str) -> NoReturn:
-    """``ValueError`` naming the first id of ``ids`` outside ``[0, vocab_size)``."""
+def _raise_out_of_vocab(ids: tuple[int, ...], vocab_size: int, name: str,
+                        offset: int = 0) -> NoReturn:
+    """``ValueError`` naming the first id of ``ids`` outside ``[0, vocab_size)`` (at index
+    ``offset`` + its index in ``ids``)."""
     i, t = next((i, t) for i, t in enumerate(ids) if t < 0 or t >= vocab_size)
-    raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    raise ValueError(f"{name}[{offset + i}] = {t} is outside the vocabulary [0, {vocab_size})")
 
 
 # contexts of at least this many tokens are compared with a validated context's base by identity
@@ -156,6 +158,8 @@ class ContextChecker:
             TypeError / ValueError: as :func:`check_token_ids`.
         """
         kind = type(token_ids)
+        if kind is Context:
+            return self._check_object(token_ids, name)
         if (kind is list or kind is tuple) and token_ids:
             try:
                 n = len(token_ids)
@@ -179,12 +183,60 @@ class ContextChecker:
                 pass
         return self._check_new(token_ids, name)
 
+    def _check_object(self, ctx: Context, name: str) -> tuple[Context, int, Context | None]:
+        """:meth:`check_context` of a caller's :class:`~genback.context.Context`: its ids are
+        checked once per model vocabulary (a context checked already is taken as it is; one
+        made by ``+`` from a checked one has only its added ids checked), then it is
+        remembered itself, and the context it extends by one token is its parent."""
+        parent = ctx.parent
+        if not 0 < ctx.vocab <= self.vocab_size and not self._checked_chain(ctx, name):
+            return self._check_new(ctx.tokens, name)  # (not ints: made otherwise than by a model)
+        ctx.parent = None  # (checked: nothing before it is kept alive by it)
+        h = hash((ctx._n, ctx[-HASH_TAIL:]))  # (context_hash)
+        self._remember(h, ctx)
+        if parent is not None and (parent._n != ctx._n - 1
+                                   or not 0 < parent.vocab <= self.vocab_size):
+            parent = None
+        return ctx, h, parent
+
+    def _checked_chain(self, ctx: Context, name: str) -> bool:
+        """Check ``ctx`` and the contexts it was made from by ``+`` back to one checked for this
+        vocabulary (or to the first, checked whole): each one's added ids only; mark them
+        checked. False when the first one's items are not exact ints (nothing marked).
+
+        Raises:
+            TypeError / ValueError: as :func:`check_token_ids` (the first bad id named by its
+            index in ``ctx``)."""
+        vocab = self.vocab_size
+        chain = []
+        c = ctx
+        while not 0 < c.vocab <= vocab:
+            chain.append(c)
+            if c.parent is None:
+                break
+            c = c.parent
+        first = chain[-1]
+        if first.parent is None:  # (nothing checked before it: all its ids)
+            flat = first.tokens
+            if check_token_ids(flat, vocab, name) is not flat:
+                return False
+            first.vocab = vocab
+            chain.pop()
+        for c in reversed(chain):  # (oldest first: each one's parent is checked by now)
+            start = c.parent._n
+            added = c[start:]
+            if min(added) < 0 or max(added) >= vocab:  # (C-level)
+                _raise_out_of_vocab(added, vocab, name, start)
+            c.vocab = vocab
+            c.parent = None if c is not ctx else c.parent
+        return True
+
     def _check_new(self, token_ids, name: str) -> tuple[Context, int, None]:
         """The full check of a context not remembered (:func:`check_token_ids`): ``(context,
         its hash, None)``; the context is remembered."""
         ids = check_token_ids(token_ids, self.vocab_size, name)
         h = context_hash(ids)
-        ctx = Context(untrack_ids(ids))  # (exact ints only: no collection need walk it)
+        ctx = Context(untrack_ids(ids), (), self.vocab_size)  # (exact ints: untracked)
         self._remember(h, ctx)
         return ctx, h, None
 

@@ -19,6 +19,7 @@ from typing import Awaitable
 import torch
 
 from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
+from ..context import Context
 from ..cpython import freeze_startup_heap
 from ..query import Query  # noqa: F401 (genback.llm's name of the base kind)
 from ..rows import own
@@ -55,18 +56,9 @@ class AsyncLM:
         ValueError: an option out of range.
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        runner: Runner,
-        *,
-        vocab_size: int | None = None,
-        batch_size: int = 512,
-        batch_window: float = 0.002,
-        row_cache_size: int = 1024,
-        max_context_length: int | None = None,
-        eos_token_ids=(),
-    ):
+    def __init__(self, tokenizer, runner: Runner, *, vocab_size: int | None = None,
+                 batch_size: int = 512, batch_window: float = 0.002, row_cache_size: int = 1024,
+                 max_context_length: int | None = None, eos_token_ids=()):
         self.tokenizer = tokenizer
         self.vocab_size = check_positive_int(
             len(tokenizer) if vocab_size is None else vocab_size, "vocab_size"
@@ -176,6 +168,13 @@ class AsyncLM:
     def _check_ids(self, token_ids, name="token_ids") -> tuple[int, ...]:
         """Checked context ids (:meth:`.front.Front.tokens`, for the backends' own methods)."""
         return self.front.tokens(token_ids, name)
+
+    def context(self, token_ids) -> Context:
+        """``token_ids`` checked, as a :class:`~genback.context.Context` to extend (``ctx +
+        [token]``) and ask with (``next_token_logprobs(ctx)``): each step checks only the ids
+        added, where a list is compared with its parent item by item (:mod:`genback.context`).
+        Raises TypeError / ValueError on bad ``token_ids`` (as :meth:`next_token_logprobs`)."""
+        return self.front.checked(token_ids)[0]
 
     def next_token_logprobs(self, token_ids, lora_name=None) -> Awaitable[torch.Tensor]:
         """Log-probs of the next token after ``token_ids``, awaited; concurrent calls are batched.
