@@ -210,25 +210,26 @@ class ContextChecker:
         vocab = self.vocab_size
         chain = []
         c = ctx
-        while not 0 < c.vocab <= vocab:
+        while c is not None and not 0 < c.vocab <= vocab:
             chain.append(c)
-            if c.parent is None:
-                break
-            c = c.parent
-        first = chain[-1]
-        if first.parent is None:  # (nothing checked before it: all its ids)
+            c = c.parent  # (read once: another thread may be checking it too)
+        if c is None:  # (nothing checked before the first: all its ids)
+            first = chain.pop()
             flat = first.tokens
             if check_token_ids(flat, vocab, name) is not flat:
                 return False
             first.vocab = vocab
-            chain.pop()
         for c in reversed(chain):  # (oldest first: each one's parent is checked by now)
-            start = c.parent._n
+            parent = c.parent
+            if parent is None:  # (checked meanwhile on another thread)
+                continue
+            start = parent._n
             added = c[start:]
             if min(added) < 0 or max(added) >= vocab:  # (C-level)
                 _raise_out_of_vocab(added, vocab, name, start)
             c.vocab = vocab
-            c.parent = None if c is not ctx else c.parent
+            if c is not ctx:
+                c.parent = None
         return True
 
     def _check_new(self, token_ids, name: str) -> tuple[Context, int, None]:
