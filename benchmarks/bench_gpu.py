@@ -151,7 +151,10 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
 
     async def steps():
         nonlocal rows
-        parts = [list(prompt) for _ in trace[0][0]]
+        if api == "context":  # lm.context objects, extended by + as lists are
+            parts = [lm.context(prompt)] * len(trace[0][0])
+        else:
+            parts = [list(prompt) for _ in trace[0][0]]
         for parents, tokens in trace:
             parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]  # untimed
             t = time.perf_counter()
@@ -365,7 +368,8 @@ def parse(argv):
                          "256 keys (DecodeStep.flash_level0); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
-                         "a coroutine (a task each); default auto); the "
+                         "a coroutine (a task each), /context asks with lm.context objects "
+                         "extended by + (no list compared per step); default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: also profile 4 steps per genback run, after 4 warm ones "

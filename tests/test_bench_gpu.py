@@ -114,16 +114,19 @@ def test_the_dense_and_flash0_decode_modes_run_the_decode_step():
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])
 
 
-def test_coroutine_mode_answers_as_the_futures_do():
-    """Mode suffix ``/coroutine`` (a task per query, the route before the query's future was
-    handed out): every step computed alike, the same rows to float32 rounding."""
+def test_coroutine_and_context_modes_answer_as_the_futures_do():
+    """Mode suffixes ``/coroutine`` (a task per query, the route before the query's future was
+    handed out) and ``/context`` (``lm.context`` objects extended by ``+``): every step computed
+    alike (the decode step, the same forwards and tokens), rows exact."""
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "4", "--resample", "2", "--no-loop",
-                          "--genback", "eager,eager/coroutine"])
+                          "--genback", "eager,eager/coroutine,eager/context"])
     (cell,) = out["cells"]
-    for name in ("genback", "genback[eager/coroutine]"):
+    names = ("genback", "genback[eager/coroutine]", "genback[eager/context]")
+    for name in names:
         assert cell[name]["decode_steps"] == 4, name
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
+    assert len({(cell[n]["forwards"], cell[n]["tokens_forwarded"]) for n in names}) == 1
 
 
 def test_session_summary_lists_every_cell_and_the_old_codes_ratio(tmp_path):
