@@ -492,9 +492,9 @@ def row_md(model: str, r: dict) -> str:
 
 
 def compare_md(pairs, labels: str = "inline / worker") -> str:
-    """``--compare-worker``'s (``--compare-coroutine``'s, ``--compare-context``'s) table: per cell, the medians of
-    host/q, host/step and own/q of the runs of the default route and of the other one
-    (``labels``: theirs)."""
+    """``--compare-worker``'s (``--compare-coroutine``'s, ``--compare-context``'s) table: per
+    cell, the medians of host/q, host/step and own/q of the runs of the default route and of the
+    other one (``labels``: theirs)."""
     med = statistics.median
     out = [f"\n| N | context | runs | host/q µs {labels} | host/step ms {labels} | "
            f"own/q µs {labels} |", "|---|---|---|---|---|---|"]

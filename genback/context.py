@@ -39,7 +39,7 @@ class Context:
     Args:
         base: a tuple of exact ints (shared by the contexts that extend it).
         tail: a short tuple of exact ints after ``base``.
-        vocab: the contexts's ids are known to lie in ``[0, vocab)`` (a model with a
+        vocab: the context's ids are known to lie in ``[0, vocab)`` (a model with a
             vocabulary of at least ``vocab`` ids takes it unchecked); 0: not checked yet.
 
     ``len``, indexing, :meth:`extend` and ``+`` cost nothing that grows with the context, a slice
@@ -83,8 +83,9 @@ class Context:
                        (), vocab)
 
     def __add__(self, other) -> "Context":
-        """``ctx + [token, ...]`` (a list or tuple of ints; NumPy integers become ints): the longer context, in O(added tokens) but once every :data:`TAIL_MAX` tokens.
-        A model checks only the added ids when it is asked (their range: ``ValueError`` there).
+        """``ctx + [token, ...]`` (a list or tuple of ints; NumPy integers become ints): the
+        longer context, in O(added tokens) but once every :data:`TAIL_MAX` tokens. A model
+        checks only the added ids when it is asked (their range: ``ValueError`` there).
 
         Raises:
             TypeError: ``other`` is not a list or tuple of integers (bools refused).
@@ -150,8 +151,8 @@ class Context:
 
 
 def _exact_ints(ids: tuple) -> tuple:
-    """``ids`` as plain ints (NumPy and torch integers converted), or ``TypeError`` naming the
-    first item that is not an integer (bools refused)."""
+    """``ids`` as plain ints (NumPy integers converted), or ``TypeError`` naming the first item
+    that is not an integer (bools refused)."""
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"a context extends by int token ids; item {i} is "
