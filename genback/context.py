@@ -97,7 +97,7 @@ class Context:
         if not extra:
             return self
         if set(map(type, extra)) - {int}:  # (C-level for plain ints)
-            extra = _exact_ints(extra)
+            extra = exact_ints(extra, "the ids added")
         out = self._joined(extra, 0)
         out.parent = self
         return out
@@ -150,13 +150,15 @@ class Context:
         return f"Context({self._n} tokens, tail {len(self.tail)})"
 
 
-def _exact_ints(ids: tuple) -> tuple:
-    """``ids`` as plain ints (NumPy integers converted), or ``TypeError`` naming the first item
-    that is not an integer (bools refused)."""
+def exact_ints(ids: tuple, name: str = "token_ids") -> tuple[int, ...]:
+    """``ids`` (a tuple holding some non-``int`` items) as plain ints (NumPy integers
+    converted), or ``TypeError`` naming the first item that is not an integer (bools
+    included)."""
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise TypeError(f"a context extends by int token ids; item {i} is "
-                            f"{type(t).__name__}: {t!r}")
+            raise TypeError(
+                f"{name}[{i}] must be an int token id, got {type(t).__name__}: {t!r}"
+            )
     return tuple(int(t) for t in ids)
 
 

@@ -211,7 +211,7 @@ def test_plus_takes_integers_only():
     ctx = ContextChecker(vocab_size=100).check_context([1, 2])[0]
     assert list(ctx + [np.int64(5), 6]) == [1, 2, 5, 6] and type((ctx + [np.int64(5)])[-1]) is int
     for bad in ([1.5], [True], [None], ["3"]):
-        with pytest.raises(TypeError, match="int token ids"):
+        with pytest.raises(TypeError, match=r"the ids added\[0\] must be an int token id"):
             ctx + bad
     with pytest.raises(TypeError):
         ctx + "ab"

@@ -11,7 +11,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from ..context import Context
+from ..context import Context, exact_ints
 from ..cpython import untrack_ids
 from ..cpython import same_items
 from ..query import HASH_TAIL, context_hash
@@ -32,7 +32,7 @@ def check_token_ids(
     if isinstance(token_ids, (list, tuple, Context)):
         ids = token_ids.tokens if type(token_ids) is Context else tuple(token_ids)
         if set(map(type, ids)) - {int}:  # (C-level: no per-id Python frame)
-            ids = _exact_ints(ids, name)
+            ids = exact_ints(ids, name)
     elif isinstance(token_ids, (torch.Tensor, np.ndarray)):
         ids = _array_ids(token_ids, name)
     else:
@@ -47,17 +47,6 @@ def check_token_ids(
     if min(ids) < 0 or max(ids) >= vocab_size:  # (C-level)
         _raise_out_of_vocab(ids, vocab_size, name)
     return ids
-
-
-def _exact_ints(ids: tuple, name: str) -> tuple[int, ...]:
-    """``ids`` (a tuple holding some non-``int`` items) as plain ints, or ``TypeError`` naming
-    the first item that is not an integer (bools included)."""
-    for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise TypeError(
-                f"{name}[{i}] must be an int token id, got {type(t).__name__}: {t!r}"
-            )
-    return tuple(int(t) for t in ids)
 
 
 def _array_ids(array, name: str) -> tuple[int, ...]:
