@@ -118,7 +118,7 @@ async def _awaited(awaitable):
 
 
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
-                profile_steps=False, collect_between=False) -> dict:
+                profile=False, collect_between=False) -> dict:
     """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
     to the host after the timing): float32 CPU ``[N, V]``; the host's part of each step (until
     ``gather`` returns, before the device synchronisation)."""
@@ -176,7 +176,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         asyncio.run(steps())
         info = lm.cache_info()
         peak = G.peak_memory(device)
-        if profile_steps and device.type == "cuda":
+        if profile:
             prof = profile_steps(lm, prompt, trace, device)
     finally:
         lm.close()

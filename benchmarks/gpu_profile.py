@@ -1,5 +1,6 @@
 """A torch profile of a few SMC steps through genback on CUDA, for ``bench_gpu.py --profile``:
-host-side launches, device kernel time and the kernels that take it, per step."""
+host-side launches, device kernel time and the kernels that take it, per step (host events
+only off CUDA)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15) -> dict:
     profiler; CUDA only). The trace's first ``k`` steps run unprofiled first and the next ``k``
     are profiled, where the trace is that long (else the first ``k``), so that the profile sees
     replays; ``captures_in_profile`` counts the captures that still fell inside it (their eager
-    warm-up and check forwards are then in the figures)."""
+    warm-up and check forwards are then in the figures). Off CUDA (the CPU test of this path)
+    only host events are recorded: no launches, no device time."""
     from torch.profiler import ProfilerActivity, profile
 
     lm.clear_kv_cache()
@@ -38,7 +40,10 @@ def profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15) -> dict:
     asyncio.run(steps(trace[:warm]))
     captures = lm.cache_info().get("decode_captures", 0)
     t = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         asyncio.run(steps(trace[warm:warm + k]))
     wall = time.perf_counter() - t
     captures = lm.cache_info().get("decode_captures", 0) - captures

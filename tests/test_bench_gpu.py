@@ -114,6 +114,24 @@ def test_the_dense_and_flash0_decode_modes_run_the_decode_step():
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])
 
 
+def test_profile_runs_with_the_modes_gpu_session_uses(tmp_path):
+    """``--profile`` as ``gpu_session.sh``'s cells run it (with ``--json``, every mode suffix):
+    each genback run is profiled after its timed steps (host events only on the CPU: no
+    launches, no device time), and the rows stay exact. (A parameter named like the profile
+    function once shadowed it: every ``--profile`` run crashed, on CUDA only.)"""
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
+                          "--steps", "8", "--resample", "4", "--no-loop", "--profile",
+                          "--genback", "eager,eager-flash0,eager/context",
+                          "--json", str(tmp_path / "cells.json")])
+    (cell,) = out["cells"]
+    for name in ("genback", "genback[eager-flash0]", "genback[eager/context]"):
+        got = cell[name]
+        assert got["err_vs_uncached"] <= 1e-4, name
+        assert got["profiled_step_s"] > 0 and got["captures_in_profile"] == 0, name
+        assert got["launches_per_step"] == 0 and got["gpu_busy_s_per_step"] == 0, name
+    assert (tmp_path / "cells.json").stat().st_size > 0
+
+
 def test_coroutine_and_context_modes_answer_as_the_futures_do():
     """Mode suffixes ``/coroutine`` (a task per query, the route before the query's future was
     handed out) and ``/context`` (``lm.context`` objects extended by ``+``): every step computed
