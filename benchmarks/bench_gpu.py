@@ -133,14 +133,18 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode = decode.removesuffix("-flash0")
     dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
     decode = decode.removesuffix("-dense")
+    cascade = decode.endswith("-cascade")  # level 0 whenever rows share a token (the crossover)
+    decode = decode.removesuffix("-cascade")
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
     step = lm.runner.decode_step
-    if (dense or flash0) and step is None:  # (auto runs the tree path on the CPU)
-        raise ValueError(f"--genback {mode}: -dense and -flash0 set the decode step's options, and "
-                         f"decode={decode!r} on {device} runs none (use eager-...)")
+    if (dense or flash0 or cascade) and step is None:  # (auto runs the tree path on the CPU)
+        raise ValueError(f"--genback {mode}: -dense, -cascade and -flash0 set the decode step's "
+                         f"options, and decode={decode!r} on {device} runs none (use eager-...)")
     if dense:
         step.min_prefix = sys.maxsize
+    if cascade:
+        step.level0_min_tokens = step.level0_min_saved = 0
     if flash0:
         step.flash_level0 = True
     times, host, rows = [], [], None
@@ -362,7 +366,8 @@ def parse(argv):
     ap.add_argument("--genback", default="auto",
                     help="comma list of AsyncTransformer decode modes to run side by side "
                          "(auto, graphs, eager, off; graphs-dense / eager-dense: without the "
-                         "cascade's shared level, to find where it pays; a suffix -worker runs "
+                         "cascade's shared level, graphs-cascade: with it whenever rows share "
+                         "a token, to find where it pays; a suffix -worker runs "
                          "every step on the batcher's worker thread, as before inline steps; -flash0 "
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
                          "256 keys (DecodeStep.flash_level0); "

@@ -74,10 +74,11 @@ case "$part" in
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;
-  cascade)  # where level 0 pays: graphs vs graphs-dense (dense only where the table fits)
+  cascade)  # where level 0 pays: the default (auto), level 0 always (graphs-cascade) and never
+    # (graphs-dense, only where the table fits)
     for shape in llama-3.2-1b llama-3.1-8b; do
       python3 benchmarks/bench_gpu.py --shape $shape --particles 4,16,64 --prompts 100,500,1000 \
-        --no-loop --genback auto,graphs-dense --json "$out/$shape-cascade.json" 2>&1 \
+        --no-loop --genback auto,graphs-cascade,graphs-dense --json "$out/$shape-cascade.json" 2>&1 \
         | tee "$out/$shape-cascade.log"
     done ;;
   long)  # long runs: split steps (graphs in chunks of rows) against the tree path

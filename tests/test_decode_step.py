@@ -48,17 +48,23 @@ def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, 
     """SMC with resampling over a shared prompt: every step after the first is a uniform decode
     step (counted), every row equals an uncached forward and the tree path's row (<= 1e-5: the
     cascade splits the keys otherwise, so sums round otherwise), and
-    both paths forward the same tokens in the same number of forwards."""
+    both paths forward the same tokens in the same number of forwards. The default (``eager``)
+    lays a prefix out as ``dense`` when level 0 does not pay (70 tokens, 12 rows), as
+    ``cascade`` (level 0 whenever rows share a token) when it does (300 tokens)."""
     trace = _smc_trace(random.Random(prompt_len), prompt_len, particles, 10, resample, 50)
     got = {}
-    # dense: the decode step without level 0; flash0: level 0 unmasked but its last 256 keys
-    for decode in ("eager", "dense", "flash0", "off"):
+    # cascade: level 0 whenever rows share a token; dense: the decode step without level 0;
+    # flash0: level 0 unmasked but its last 256 keys (whenever rows share a token)
+    for decode in ("eager", "cascade", "dense", "flash0", "off"):
         lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                               decode="off" if decode == "off" else "eager")
+        step = lm.runner.decode_step
+        if decode in ("cascade", "flash0"):
+            step.level0_min_tokens = step.level0_min_saved = 0
         if decode == "dense":
-            lm.runner.decode_step.min_prefix = sys.maxsize
+            step.min_prefix = sys.maxsize
         if decode == "flash0":
-            lm.runner.decode_step.flash_level0 = True
+            step.flash_level0 = True
         try:
             lm.cache_kv(trace[0][0][:-1])
             refs: dict = {}
@@ -74,12 +80,12 @@ def test_eager_decode_steps_equal_uncached_and_the_tree_path(tiny_hf, gpt2_tok, 
                 assert "decode_steps" not in info
         finally:
             lm.close()
-    assert got["eager"] == got["dense"] == got["flash0"] == got["off"]
+    assert got["eager"] == got["cascade"] == got["dense"] == got["flash0"] == got["off"]
     if particles > 1:  # without level 0 every row reads the prompt itself
-        assert got["dense read"] > got["eager read"]
-    torch.testing.assert_close(got["eager rows"], got["off rows"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["dense rows"], got["off rows"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["flash0 rows"], got["off rows"], rtol=0, atol=1e-5)
+        assert got["dense read"] > got["cascade read"]
+        assert got["eager read"] == got[("cascade" if prompt_len >= 256 else "dense") + " read"]
+    for decode in ("eager", "cascade", "dense", "flash0"):
+        torch.testing.assert_close(got[decode + " rows"], got["off rows"], rtol=0, atol=1e-5)
 
 
 def test_mixed_batches_and_eviction_take_the_tree_path_and_stay_exact(tiny_hf, gpt2_tok):
@@ -192,7 +198,7 @@ def test_captured_decode_steps_in_bf16_are_no_worse_than_dense(gpt2_tok):
     than 2x an uncached bf16 forward is (both are bf16 roundings of the same sums)."""
     model32 = _llama(len(gpt2_tok), "cuda", torch.float32)
     model16 = _llama(len(gpt2_tok), "cuda", torch.bfloat16)
-    trace = _smc_trace(random.Random(9), 200, 16, 6, 2, 400)
+    trace = _smc_trace(random.Random(9), 300, 16, 6, 2, 400)  # level 0 pays (>= 256 tokens)
     lm = AsyncTransformer(model16, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           decode="graphs", row_device="cpu")
     try:
@@ -268,17 +274,20 @@ def test_decoding_steps_on_the_decode_path_sample_what_the_tree_path_samples(tin
     assert got["eager"] == got["off"] and all(len(t) == 12 for t in got["eager"])
 
 
+@pytest.mark.parametrize("level0", ["default", "always"])
 def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, gpt2_tok,
-                                                                      monkeypatch):
+                                                                      monkeypatch, level0):
     """SMC with resampling over more steps than a lane table lives (REFRESH): each step's table
     is the last step's rows plus a column (counted), and every row's slots (level 0, then its
     row without padding) are the tree's slots of its cached context plus its new slot, checked
-    against a walk of the tree at every step; rows equal an uncached forward."""
+    against a walk of the tree at every step; rows equal an uncached forward. Over this 60-token
+    prompt the default lays the prompt out in every row (level 0 does not pay); ``always``
+    keeps it in level 0 (lanes then carry the prefix)."""
     from genback.runners.hf.decode import step as decode_step
     from genback.runners.hf.plan.lanes import REFRESH
     from genback.runners.hf.cache.nodes import prefix_segments
 
-    checked = []
+    checked, prefixes = [], []
     layout = decode_step.DecodeStep.layout
 
     def spy(self, group, lanes=None):
@@ -292,6 +301,7 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
             got = np.concatenate([lay.prefix, lay.table[i, lay.pads[i]:]])
             assert np.array_equal(got, want) and lay.positions[i] == p.cached
         checked.append(len(group))
+        prefixes.append(lay.prefix)
         return out
 
     monkeypatch.setattr(decode_step.DecodeStep, "layout", spy)
@@ -299,11 +309,14 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
     trace = _smc_trace(random.Random(11), 60, 16, steps, 3, 50)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           decode="eager")
+    if level0 == "always":
+        lm.runner.decode_step.level0_min_tokens = lm.runner.decode_step.level0_min_saved = 0
     try:
         lm.cache_kv(trace[0][0][:-1])
         assert _run_trace(lm, trace, {}) <= 1e-5
         info = lm.cache_info()
         assert info["decode_steps"] == len(trace) == len(checked)
+        assert all(len(p) == 0 for p in prefixes) == (level0 == "default")
         # the first step and one in every REFRESH + 1 are full layouts; the others gathered
         full = info["decode_steps"] - info["decode_lane_steps"]
         assert full == -(-len(trace) // (REFRESH + 1))

@@ -124,8 +124,15 @@ class DecodeStep:
         min_prefix: level 0 of the cascade is used when the step's rows (two or more) share at
             least this many cached tokens (default 1); ``sys.maxsize``: never, every row
             attends its whole context in level 1 (the dense layout; a step wider than
-            :data:`MAX_TABLE_SLOTS` then runs in chunks of rows, or takes the tree path). For measuring where the cascade
-            pays (``bench_gpu.py --genback graphs-dense``).
+            :data:`MAX_TABLE_SLOTS` then runs in chunks of rows, or takes the tree path). For
+            measuring where the cascade pays (``bench_gpu.py --genback graphs-dense``).
+        level0_min_tokens, level0_min_saved: a shared prefix shorter than
+            ``level0_min_tokens`` (default 256, level 0's bucket) whose reads saved,
+            ``(rows - 1) * length``, are under ``level0_min_saved`` (default 4,096) is laid out
+            in every row instead (the dense layout), where that fits. Measured with CUDA graphs
+            (``benchmarks/RESULTS.md``, "Where level 0 pays", an H100 and an H200, 1B and 8B
+            Llama shapes): over a 100-token prompt at 4 and 16 rows the dense layout was 9-25 %
+            faster; at 64 rows, or from 500 tokens on, the cascade (up to 2.1x).
         flash_level0: level 0's real keys attended without a bias, by FlashAttention-2's
             kernel on CUDA in bf16 / fp16, and only its last 256 keys (where the prefix's
             padding lies) with one (:func:`.cascade._prefix_chunks`); default False (the
@@ -154,6 +161,7 @@ class DecodeStep:
         self._version = pool.version
         self.steps = self.lane_steps = self.split_steps = 0
         self.min_prefix = 1
+        self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0 = False
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
@@ -275,7 +283,8 @@ class DecodeStep:
     def _from_tree(self, group):
         """``(new_slots, table, pads, prefix)`` of a full layout from the tree's segments, or
         None (nothing taken from the pool) when the table would not fit. Level 0 is the prefix
-        of two or more rows; a single row's whole context is its own (its width then grows
+        of two or more rows, when it pays (``level0_min_tokens``, ``level0_min_saved``); a single
+        row's whole context is its own (its width then grows
         through power-of-two buckets, not a prefix bucket per 256)."""
         R = len(group)
         shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
@@ -283,6 +292,11 @@ class DecodeStep:
         prefix = (np.concatenate([s for s, _ in shared]) if shared
                   else np.empty(0, dtype=np.int64))
         width = int(private.path_lengths().max()) + 1 if R else 1
+        P = len(prefix)
+        if 0 < P < self.level0_min_tokens and (R - 1) * P < self.level0_min_saved \
+                and self._fits(R, width + P):  # level 0 does not pay: the dense layout
+            shared, private = split_segments(group, sys.maxsize, shared_by_all=True)
+            prefix, width = prefix[:0], width + P
         if not self._fits(R, width):
             return None
         new_slots = self.pool.alloc(R)
