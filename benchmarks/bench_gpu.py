@@ -181,7 +181,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         info = lm.cache_info()
         peak = G.peak_memory(device)
         if profile:
-            prof = profile_steps(lm, prompt, trace, device)
+            prof = profile_steps(lm, prompt, trace, device, contexts=api == "context")
     finally:
         lm.close()
     out = {"prefill_s": prefill, "step_s": times, "host_s": float(np.mean(host)),
@@ -343,6 +343,16 @@ def report(cell: dict) -> str:
         for kern in c.get("kernels", []):
             lines.append(f"      {kern['us_per_step']:9.1f} us/step {kern['calls_per_step']:7.1f} "
                          f"calls/step  {kern['name'][:110]}")
+        if c.get("runtime_calls"):
+            lines.append("      host in CUDA calls: " + ", ".join(
+                f"{r['name']} {r['calls_per_step']:.1f} x {r['us_per_step']:.0f} us"
+                for r in c["runtime_calls"][:6]) + " (per step)")
+        if c.get("host_functions"):
+            lines.append(f"      host under cProfile {c['host_profiled_s_per_step'] * 1e3:.2f} "
+                         "ms/step; its functions by own time:")
+        for fn in c.get("host_functions", []):
+            lines.append(f"      {fn['us_per_step']:9.1f} us/step {fn['calls_per_step']:7.1f} "
+                         f"calls/step  {fn['name'][:110]}")
     if "err_genback_vs_loop" in cell:
         lines.append(f"  max |genback - loop| over all rows of the last step: {cell['err_genback_vs_loop']:.2e}")
     return "\n".join(lines)

@@ -119,7 +119,8 @@ def test_the_dense_cascade_and_flash0_decode_modes_run_the_decode_step():
 def test_profile_runs_with_the_modes_gpu_session_uses(tmp_path):
     """``--profile`` as ``gpu_session.sh``'s cells run it (with ``--json``, every mode suffix):
     each genback run is profiled after its timed steps (host events only on the CPU: no
-    launches, no device time), and the rows stay exact. (A parameter named like the profile
+    launches, no device time; then the host's functions under cProfile), and the rows stay
+    exact. (A parameter named like the profile
     function once shadowed it: every ``--profile`` run crashed, on CUDA only.)"""
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "8", "--resample", "4", "--no-loop", "--profile",
@@ -131,6 +132,12 @@ def test_profile_runs_with_the_modes_gpu_session_uses(tmp_path):
         assert got["err_vs_uncached"] <= 1e-4, name
         assert got["profiled_step_s"] > 0 and got["captures_in_profile"] == 0, name
         assert got["launches_per_step"] == 0 and got["gpu_busy_s_per_step"] == 0, name
+        assert got["runtime_calls"] == [], name  # (no CUDA runtime on the CPU)
+        # the host's functions: the step's own (a query's entry point among them)
+        names = [f["name"] for f in got["host_functions"]]
+        assert got["host_profiled_s_per_step"] > 0 and len(names) == 15, name
+        assert all(f["calls_per_step"] > 0 and f["us_per_step"] >= 0
+                   for f in got["host_functions"]), name
     assert (tmp_path / "cells.json").stat().st_size > 0
 
 
