@@ -51,7 +51,7 @@ case "$part" in
         # BUDGET seconds (default 560); after each part the logs so far are packed into
         # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
-    for step in tests::150 8b:new:200 1b:new:150 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
+    for step in tests::90 8b:new:200 1b:new:150 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
