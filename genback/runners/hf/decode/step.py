@@ -18,8 +18,8 @@ Attention inside the graph is a fixed **two-level cascade** over the KV pool
   token, as a ``[R, W]`` slot table with an additive bias (0 attend, -inf padding);
 * the two merged by log-sum-exp.
 
-Worked example (``tests/test_decode_layout.py`` runs it): 3 rows after a 4-token prompt in
-slots 1-4; rows a and b one token on (slots 5 and 6), row c two (slots 7 and 8); the step's new
+Worked example (``tests/test_decode_layout.py`` runs it, with level 0 kept for this short
+prompt: see ``level0_min_tokens``): 3 rows after a 4-token prompt in slots 1-4; rows a and b one token on (slots 5 and 6), row c two (slots 7 and 8); the step's new
 tokens go to slots 9, 10, 11. The layout (:class:`.cascade.StepLayout`)::
 
     prefix = [1, 2, 3, 4]
@@ -49,6 +49,7 @@ with the tree path and an uncached forward.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.lanes import REFRESH, Lanes
 from ..plan.segments import split_segments
 from .cascade import DecodeBuffers, StepLayout, decode_attention
+from .fused import FusedNorms
 from .graphs import StepGraphs
 
 NAME = "genback_decode"
@@ -139,6 +141,10 @@ class DecodeStep:
             memory-efficient kernel with a bias over the whole prefix) until a GPU session
             measures it (``bench_gpu.py --genback auto-flash0``). Set it before the first
             step: a captured graph keeps the kernels it was captured with.
+        fuse_norms: the model's RMSNorms run as one ``torch.compile``'d function during the
+            step's forwards (:mod:`.fused`: 8 kernels a norm become one or two); default False
+            until a GPU session measures it (``bench_gpu.py --genback auto-fused``). Set it
+            before the first step; the first forward of each shape compiles (seconds).
         graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
             and rejected buckets, graph memory).
         steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
@@ -163,6 +169,8 @@ class DecodeStep:
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0 = False
+        self.fuse_norms = False
+        self._fused: FusedNorms | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
         self._split_age = 0  # steps split alike since the whole step was tried
@@ -324,7 +332,10 @@ class DecodeStep:
 
     def _forward(self, buf: DecodeBuffers) -> None:
         model = self.model
-        with torch.inference_mode(), tree_attention.active(buf), \
+        if self.fuse_norms and self._fused is None:
+            self._fused = FusedNorms(model)
+        fused = self._fused if self.fuse_norms else contextlib.nullcontext()
+        with torch.inference_mode(), tree_attention.active(buf), fused, \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
             out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,

@@ -1,0 +1,79 @@
+"""The decode step's fused RMSNorms (``DecodeStep.fuse_norms``, ``decode/fused.py``): the compiled
+norm is transformers' own computation, swapped in only during the step's forwards, and an SMC
+run with it answers as the tree path and an uncached forward do."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import random
+
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from genback.llm import AsyncTransformer
+from genback.runners.hf.decode.fused import NORMS, FusedNorms, rms_norm
+
+from test_decode_step import _llama
+from test_llm_tree import _smc_trace
+
+
+def test_every_listed_norm_is_llamas_and_rms_norm_computes_it():
+    """Each class in ``NORMS`` has Llama's ``forward``, token for token, in the installed
+    transformers (a release that changes one must take it off the list); :func:`rms_norm`
+    (uncompiled) equals ``LlamaRMSNorm`` bit for bit in float32 and bf16."""
+    ref = inspect.getsource(LlamaRMSNorm.forward)
+    for name in NORMS:
+        family = name[: -len("RMSNorm")].lower()
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        assert inspect.getsource(getattr(module, name).forward) == ref, name
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+        norm.weight.data.normal_()
+        x = torch.randn(3, 1, 64, dtype=dtype)
+        assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)), dtype
+
+
+def test_fused_norms_answer_as_the_tree_path_and_leave_the_model_as_it_was(gpt2_tok):
+    """SMC with resampling on a Llama (fp32): with ``fuse_norms`` every step runs the decode
+    step with the model's 5 norms (2 a layer and the last) through the compiled function
+    (counted), each row within 1e-5 of
+    the tree path's and 1e-4 of an uncached forward; between forwards the model's norms are its
+    own again (no instance ``forward`` left)."""
+    model = _llama(len(gpt2_tok), "cpu", torch.float32)
+    trace = _smc_trace(random.Random(7), 40, 8, 6, 2, 400)
+    rows = {}
+    for mode in ("fused", "off"):
+        lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                              decode="off" if mode == "off" else "eager")
+        calls = []
+        if mode == "fused":  # (each forward's 5 norms through the compiled function: counted)
+            step = lm.runner.decode_step
+            step.fuse_norms, step._fused = True, FusedNorms(model)
+            compiled = step._fused._compiled
+            step._fused._compiled = lambda *a: calls.append(1) or compiled(*a)
+        try:
+            lm.cache_kv(trace[0][0][:-1])
+
+            async def run():
+                out = []
+                for contexts in trace:
+                    out.append(torch.stack(await asyncio.gather(
+                        *(lm.next_token_logprobs(c) for c in contexts))))
+                return out
+            rows[mode] = asyncio.run(run())
+            info = lm.cache_info()
+            if mode == "fused":
+                assert info["decode_steps"] == len(trace)
+                assert step._fused.count == 5 and len(calls) == 5 * info["decode_steps"]
+            norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+            assert len(norms) == 5 and not any("forward" in vars(m) for m in norms)
+            for j in (0, len(trace[-1]) - 1):
+                ref = lm.next_token_logprobs_uncached(trace[-1][j])
+                assert float((rows[mode][-1][j] - ref).abs().max()) <= 1e-4
+        finally:
+            lm.close()
+    for a, b in zip(rows["fused"], rows["off"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
