@@ -135,7 +135,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode = decode.removesuffix("-dense")
     cascade = decode.endswith("-cascade")  # level 0 whenever rows share a token (the crossover)
     decode = decode.removesuffix("-cascade")
-    fused = decode.endswith("-fused")  # the RMSNorms compiled (DecodeStep.fuse_norms)
+    fused = decode.endswith("-fused")  # norms and the cascade's merge compiled (DecodeStep.fused)
     decode = decode.removesuffix("-fused")
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
@@ -151,7 +151,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     if flash0:
         step.flash_level0 = True
     if fused:
-        step.fuse_norms = True
+        step.fused = True
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
@@ -385,8 +385,8 @@ def parse(argv):
                          "a token, to find where it pays; a suffix -worker runs "
                          "every step on the batcher's worker thread, as before inline steps; -flash0 "
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
-                         "256 keys (DecodeStep.flash_level0); -fused compiles the RMSNorms "
-                         "(DecodeStep.fuse_norms); "
+                         "256 keys (DecodeStep.flash_level0); -fused compiles the RMSNorms and "
+                         "the cascade's merge (DecodeStep.fused); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "

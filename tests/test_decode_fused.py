@@ -1,6 +1,7 @@
-"""The decode step's fused RMSNorms (``DecodeStep.fuse_norms``, ``decode/fused.py``): the compiled
-norm is transformers' own computation, swapped in only during the step's forwards, and an SMC
-run with it answers as the tree path and an uncached forward do."""
+"""The decode step's compiled pieces (``DecodeStep.fused``): the RMSNorms (``decode/fused.py``),
+transformers' own computation swapped in only during the step's forwards, and the cascade's merge
+(``cascade.merge_levels``); an SMC run with them answers as the tree path and an uncached forward
+do."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from genback.llm import AsyncTransformer
+from genback.runners.hf.decode import cascade
 from genback.runners.hf.decode.fused import NORMS, FusedNorms, rms_norm
 
 from test_decode_step import _llama
@@ -36,10 +38,12 @@ def test_every_listed_norm_is_llamas_and_rms_norm_computes_it():
         assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)), dtype
 
 
-def test_fused_norms_answer_as_the_tree_path_and_leave_the_model_as_it_was(gpt2_tok):
-    """SMC with resampling on a Llama (fp32): with ``fuse_norms`` every step runs the decode
-    step with the model's 5 norms (2 a layer and the last) through the compiled function
-    (counted), each row within 1e-5 of
+def test_fused_step_answers_as_the_tree_path_and_leaves_the_model_as_it_was(gpt2_tok,
+                                                                          monkeypatch):
+    """SMC with resampling on a Llama (fp32), level 0 kept for its 40-token prompt: with
+    ``fused`` every step runs the decode step with the model's 5 norms (2 a layer and the last)
+    and each layer's merge of the cascade's levels through the compiled functions (counted),
+    each row within 1e-5 of
     the tree path's and 1e-4 of an uncached forward; between forwards the model's norms are its
     own again (no instance ``forward`` left)."""
     model = _llama(len(gpt2_tok), "cpu", torch.float32)
@@ -48,12 +52,15 @@ def test_fused_norms_answer_as_the_tree_path_and_leave_the_model_as_it_was(gpt2_
     for mode in ("fused", "off"):
         lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0,
                               decode="off" if mode == "off" else "eager")
-        calls = []
-        if mode == "fused":  # (each forward's 5 norms through the compiled function: counted)
+        calls, merges = [], []
+        if mode == "fused":  # (each forward's 5 norms and 2 merges through the compiled code)
             step = lm.runner.decode_step
-            step.fuse_norms, step._fused = True, FusedNorms(model)
-            compiled = step._fused._compiled
-            step._fused._compiled = lambda *a: calls.append(1) or compiled(*a)
+            step.level0_min_tokens = step.level0_min_saved = 0
+            step.fused, step._norms = True, FusedNorms(model)
+            compiled = step._norms._compiled
+            step._norms._compiled = lambda *a: calls.append(1) or compiled(*a)
+            merge = cascade._compiled_merge()
+            monkeypatch.setattr(cascade, "_MERGE", lambda *a: merges.append(1) or merge(*a))
         try:
             lm.cache_kv(trace[0][0][:-1])
 
@@ -67,7 +74,8 @@ def test_fused_norms_answer_as_the_tree_path_and_leave_the_model_as_it_was(gpt2_
             info = lm.cache_info()
             if mode == "fused":
                 assert info["decode_steps"] == len(trace)
-                assert step._fused.count == 5 and len(calls) == 5 * info["decode_steps"]
+                assert step._norms.count == 5 and len(calls) == 5 * info["decode_steps"]
+                assert len(merges) == 2 * info["decode_steps"]
             norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
             assert len(norms) == 5 and not any("forward" in vars(m) for m in norms)
             for j in (0, len(trace[-1]) - 1):

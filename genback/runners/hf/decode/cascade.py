@@ -62,6 +62,7 @@ class DecodeBuffers:
     def __init__(self, pool: KVPool, key: tuple[int, int, int], groups: int, vocab: int):
         Rb, Wb, Pb = key
         self.flash0 = False  # level 0 without a bias but on its last 256 keys (_prefix_chunks)
+        self.fused = False  # the levels merged by the compiled merge_levels
         dev, dt = pool.device, pool.dtype
         self.pool = pool
         self.key = key
@@ -130,16 +131,41 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     kv = b.pool.gather(layer, b.table).view(2, Hkv, Rb, Wb, D).transpose(1, 2)
     out, lse = tree_attention._attend(qg, kv[0], kv[1], scale, "flash", b.bias1)
     if b.prefix is not None:  # level 0: the shared prefix, read once for all rows
-        N = Rb * G
         o0, l0 = _prefix_chunks(layer, b, qg, scale)  # [S, Hkv, N, D], [S, Hkv, N]
-        # level 1 as one more chunk: one softmax-weighted sum merges all S + 1 parts
-        o = torch.cat([o0, out.transpose(0, 1).reshape(1, Hkv, N, D)])
-        lses = torch.cat([l0, lse.transpose(0, 1).reshape(1, Hkv, N)])
-        merged = _merge_chunks(o, lses).view(Hkv, Rb, G, D).transpose(0, 1)
-        out = torch.empty((Rb, Hkv, G, D), dtype=query.dtype, device=query.device)
-        out.copy_(merged)
+        merge = _compiled_merge() if b.fused else merge_levels
+        return merge(o0, l0, out, lse), None
     out = out.to(query.dtype).reshape(Rb, Hq, 1, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def merge_levels(o0: torch.Tensor, l0: torch.Tensor, o1: torch.Tensor, l1: torch.Tensor
+                 ) -> torch.Tensor:
+    """The cascade's two levels merged: level 0's chunks ``o0`` ``[S, Hkv, N, D]`` with their
+    float32 log-sum-exps ``l0`` ``[S, Hkv, N]`` (query ``r * G + g`` of KV head ``h`` being row
+    ``r``'s head ``h * G + g``) and level 1's ``o1`` ``[Rb, Hkv, G, D]`` with ``l1`` ``[Rb, Hkv,
+    G]``, level 1 joined as one more chunk, so that one softmax-weighted sum
+    (:func:`_merge_chunks`) merges all ``S + 1`` parts. Returns ``[Rb, 1, Hkv * G, D]`` of
+    ``o1``'s dtype, contiguous (the attention interface's output layout)."""
+    S, Hkv, N, D = o0.shape
+    Rb, _, G, _ = o1.shape
+    o = torch.cat([o0, o1.transpose(0, 1).reshape(1, Hkv, N, D)])
+    lses = torch.cat([l0, l1.transpose(0, 1).reshape(1, Hkv, N)])
+    merged = _merge_chunks(o, lses).view(Hkv, Rb, G, D).transpose(0, 1)
+    out = torch.empty((Rb, Hkv, G, D), dtype=o1.dtype, device=o1.device)
+    out.copy_(merged)
+    return out.reshape(Rb, 1, Hkv * G, D)
+
+
+_MERGE = None  # merge_levels compiled (once per process: DecodeStep.fused)
+
+
+def _compiled_merge():
+    """:func:`merge_levels` compiled by ``torch.compile`` (shapes dynamic: one compilation for
+    every bucket), for :class:`.step.DecodeStep`'s ``fused``: its ~8 kernels a layer fused."""
+    global _MERGE
+    if _MERGE is None:
+        _MERGE = torch.compile(merge_levels, dynamic=True)
+    return _MERGE
 
 
 # a fused attention kernel works on tiles of 64 queries: fewer than this many (kv head, query

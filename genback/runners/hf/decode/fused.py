@@ -1,4 +1,5 @@
-"""Fused RMSNorms for the decode step: ``DecodeStep.fuse_norms`` (off by default).
+"""Fused RMSNorms for the decode step: part of ``DecodeStep.fused`` (off by default; the other
+part is the cascade's compiled merge, :func:`.cascade.merge_levels`).
 
 A captured decode step on a GPU is bound at small row counts by the number of kernels, not by
 their work (``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H100": an 8B Llama step at 16

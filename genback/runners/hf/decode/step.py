@@ -141,10 +141,11 @@ class DecodeStep:
             memory-efficient kernel with a bias over the whole prefix) until a GPU session
             measures it (``bench_gpu.py --genback auto-flash0``). Set it before the first
             step: a captured graph keeps the kernels it was captured with.
-        fuse_norms: the model's RMSNorms run as one ``torch.compile``'d function during the
-            step's forwards (:mod:`.fused`: 8 kernels a norm become one or two); default False
-            until a GPU session measures it (``bench_gpu.py --genback auto-fused``). Set it
-            before the first step; the first forward of each shape compiles (seconds).
+        fused: the model's RMSNorms run as one ``torch.compile``'d function during the step's
+            forwards (:mod:`.fused`: 8 kernels a norm become one or two) and the cascade's
+            levels are merged by a compiled :func:`.cascade.merge_levels`; default False until
+            a GPU session measures it (``bench_gpu.py --genback auto-fused``). Set it before
+            the first step; the first forwards compile (seconds).
         graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
             and rejected buckets, graph memory).
         steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
@@ -169,8 +170,8 @@ class DecodeStep:
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0 = False
-        self.fuse_norms = False
-        self._fused: FusedNorms | None = None
+        self.fused = False
+        self._norms: FusedNorms | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
         self._split_age = 0  # steps split alike since the whole step was tried
@@ -324,7 +325,7 @@ class DecodeStep:
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
-            buf.flash0 = self.flash_level0
+            buf.flash0, buf.fused = self.flash_level0, self.fused
         buf.fill(layout)
         self.steps += 1
         self.graphs.run(buf, self._forward, R)
@@ -332,9 +333,9 @@ class DecodeStep:
 
     def _forward(self, buf: DecodeBuffers) -> None:
         model = self.model
-        if self.fuse_norms and self._fused is None:
-            self._fused = FusedNorms(model)
-        fused = self._fused if self.fuse_norms else contextlib.nullcontext()
+        if self.fused and self._norms is None:
+            self._norms = FusedNorms(model)
+        fused = self._norms if self.fused else contextlib.nullcontext()
         with torch.inference_mode(), tree_attention.active(buf), fused, \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
