@@ -19,8 +19,9 @@ Attention inside the graph is a fixed **two-level cascade** over the KV pool
 * the two merged by log-sum-exp.
 
 Worked example (``tests/test_decode_layout.py`` runs it, with level 0 kept for this short
-prompt: see ``level0_min_tokens``): 3 rows after a 4-token prompt in slots 1-4; rows a and b one token on (slots 5 and 6), row c two (slots 7 and 8); the step's new
-tokens go to slots 9, 10, 11. The layout (:class:`.cascade.StepLayout`)::
+prompt: see ``level0_min_tokens``): 3 rows after a 4-token prompt in slots 1-4; rows a and b
+one token on (slots 5 and 6), row c two (slots 7 and 8); the step's new tokens go to slots 9,
+10, 11. The layout (:class:`.cascade.StepLayout`)::
 
     prefix = [1, 2, 3, 4]
     table  = [[0, 5,  9],        pads = [1, 1, 0]       bias1 = [[-inf, 0, 0],
@@ -292,9 +293,9 @@ class DecodeStep:
     def _from_tree(self, group):
         """``(new_slots, table, pads, prefix)`` of a full layout from the tree's segments, or
         None (nothing taken from the pool) when the table would not fit. Level 0 is the prefix
-        of two or more rows, when it pays (``level0_min_tokens``, ``level0_min_saved``); a single
-        row's whole context is its own (its width then grows
-        through power-of-two buckets, not a prefix bucket per 256)."""
+        of two or more rows, when it pays (``level0_min_tokens``, ``level0_min_saved``); a
+        single row's whole context is its own (its width then grows through power-of-two
+        buckets, not a prefix bucket per 256)."""
         R = len(group)
         shared, private = split_segments(group, self.min_prefix if R > 1 else sys.maxsize,
                                          shared_by_all=True)
