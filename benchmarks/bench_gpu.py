@@ -117,6 +117,15 @@ async def _awaited(awaitable):
     return await awaitable
 
 
+# mode suffixes that set the decode step's options: (attribute, value)
+STEP_OPTIONS = {
+    "-flash0": ("flash_level0", True),  # level 0 unmasked but for its last 256 keys
+    "-dense": ("min_prefix", sys.maxsize),  # the decode step without level 0 (the crossover)
+    "-cascade": ("level0_min_tokens", 0),  # level 0 whenever rows share a token (the crossover)
+    "-fused": ("fused", True),  # norms and the cascade's merge compiled
+}
+
+
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
                 profile=False, collect_between=False) -> dict:
     """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
@@ -129,29 +138,19 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
     worker = decode.endswith("-worker")  # every batch on the worker thread (no inline step)
     decode = decode.removesuffix("-worker")
-    flash0 = decode.endswith("-flash0")  # level 0 unmasked but for its last 256 keys
-    decode = decode.removesuffix("-flash0")
-    dense = decode.endswith("-dense")  # the decode step without level 0 (the crossover)
-    decode = decode.removesuffix("-dense")
-    cascade = decode.endswith("-cascade")  # level 0 whenever rows share a token (the crossover)
-    decode = decode.removesuffix("-cascade")
-    fused = decode.endswith("-fused")  # norms and the cascade's merge compiled (DecodeStep.fused)
-    decode = decode.removesuffix("-fused")
+    options = []  # the decode step's options the mode's suffixes set (STEP_OPTIONS)
+    while (suffix := next((x for x in STEP_OPTIONS if decode.endswith(x)), None)) is not None:
+        options.append(STEP_OPTIONS[suffix])
+        decode = decode.removesuffix(suffix)
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
     step = lm.runner.decode_step
-    if (dense or flash0 or cascade or fused) and step is None:  # (auto: the tree path on a CPU)
+    if options and step is None:  # (auto: the tree path on a CPU)
         raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0 and -fused set the decode "
                          f"step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
-    if dense:
-        step.min_prefix = sys.maxsize
-    if cascade:
-        step.level0_min_tokens = step.level0_min_saved = 0
-    if flash0:
-        step.flash_level0 = True
-    if fused:
-        step.fused = True
+    for name, value in options:
+        setattr(step, name, value)
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
