@@ -69,24 +69,15 @@ def profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15,
                       "cudaMemsetAsync"):
             launches += 1
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu"):
-            got = runtime.setdefault(e.name, [0, 0.0])
-            got[0] += 1
-            got[1] += e.cpu_time_total
+            _add(runtime, e.name, e.cpu_time_total)
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.device_time
-            got = by_name.setdefault(e.name, [0, 0.0])
-            got[0] += 1
-            got[1] += e.device_time
+            _add(by_name, e.name, e.device_time)
     n = min(k, len(trace) - warm)
-    table = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
     out = {"launches_per_step": launches / n, "gpu_busy_s_per_step": kernel_us * 1e-6 / n,
            "gpu_busy_fraction": kernel_us * 1e-6 / wall, "profiled_step_s": wall / n,
-           "captures_in_profile": captures,
-           "kernels": [{"name": name, "calls_per_step": c / n, "us_per_step": us / n}
-                       for name, (c, us) in table],
-           "runtime_calls": [{"name": name, "calls_per_step": c / n, "us_per_step": us / n}
-                             for name, (c, us) in sorted(runtime.items(),
-                                                         key=lambda kv: -kv[1][1])[:top]]}
+           "captures_in_profile": captures, "kernels": _per_step(by_name, n, top),
+           "runtime_calls": _per_step(runtime, n, top)}
     at = warm + k if len(trace) >= warm + 2 * k else warm
     host = cProfile.Profile()
     host.enable()
@@ -94,9 +85,23 @@ def profile_steps(lm, prompt, trace, device, k: int = 4, top: int = 15,
     host.disable()
     n = min(k, len(trace) - at)
     stats = pstats.Stats(host).stats  # {(file, line, name): (calls, prim, own s, cum s, ..)}
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     out["host_profiled_s_per_step"] = sum(v[2] for v in stats.values()) / n
-    out["host_functions"] = [
-        {"name": f"{os.path.basename(f)}:{line}({name})", "calls_per_step": v[0] / n,
-         "us_per_step": v[2] * 1e6 / n} for (f, line, name), v in rows]
+    out["host_functions"] = _per_step(
+        {f"{os.path.basename(f)}:{line}({name})": [v[0], v[2] * 1e6]
+         for (f, line, name), v in stats.items()}, n, top)
     return out
+
+
+def _add(totals: dict, name: str, us: float) -> None:
+    """One more call of ``name`` taking ``us`` µs into ``totals`` (``name: [calls, µs]``)."""
+    got = totals.setdefault(name, [0, 0.0])
+    got[0] += 1
+    got[1] += us
+
+
+def _per_step(totals: dict, n: int, top: int) -> list[dict]:
+    """The ``top`` entries of ``totals`` (``name: [calls, µs]`` over ``n`` steps) by time, per
+    step: ``{"name", "calls_per_step", "us_per_step"}``."""
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name, "calls_per_step": c / n, "us_per_step": us / n}
+            for name, (c, us) in rows]
