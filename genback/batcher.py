@@ -166,16 +166,16 @@ class Batcher:
         """Join ``query`` (its caller's ``sink``: a future or a group's member) to ``state``'s
         pending batch; under the lock."""
         state.callers += 1
-        entry = state.pending.get(key)
-        if entry is not None and entry.live():
+        pending = state.pending
+        if not pending:
+            state.window_expired = self.window == 0
+            if not state.window_expired and state.timer is None:
+                state.timer = loop.call_later(self.window, self._on_window, state)
+        entry = pending.setdefault(key, new := Entry(query, sink))  # (one hash of a new key)
+        if entry is not new and entry.live():
             entry.waiters.append(sink)
-        else:
-            if not state.pending:
-                state.window_expired = self.window == 0
-                if not state.window_expired and state.timer is None:
-                    state.timer = loop.call_later(self.window, self._on_window, state)
-            # a replaced entry had only cancelled callers
-            state.pending[key] = Entry(query, sink)
+        elif entry is not new:  # a replaced entry had only cancelled callers
+            pending[key] = new
 
     def _decide(self, state: LoopState) -> tuple[bool, bool]:
         """``(ready, check)`` after queries joined: the batch can go now; a cohort check is to
@@ -278,7 +278,7 @@ class Batcher:
             if not batch:
                 return
             state.busy = True
-            callers = sum(len(e.waiters) for e in batch)
+            callers = sum([len(e.waiters) for e in batch])
             state.callers = max(0, state.callers - callers) if state.pending else 0
             state.sizes = (state.sizes[1], callers)
         self.batches += 1
@@ -322,17 +322,19 @@ class Batcher:
             raise exc
 
     def _take_batch(self, state: LoopState) -> list[Entry]:
-        batch: list[Entry] = []
-        for key in list(state.pending):
-            entry = state.pending[key]
-            if not entry.live():  # all of its callers were cancelled: drop it, never compute it
-                del state.pending[key]
-                continue
-            if len(batch) >= self.max_batch_size:
-                break
-            del state.pending[key]
-            batch.append(entry)
-        if not state.pending:
+        pending = state.pending
+        if len(pending) <= self.max_batch_size:  # (mostly: all of it, no key hashed again)
+            batch = [entry for entry in pending.values() if entry.live()]
+            pending.clear()
+        else:  # its first max_batch_size live entries (dead ones before them dropped)
+            batch = []
+            for key in list(pending):
+                entry = pending.pop(key)
+                if entry.live():  # (else all of its callers were cancelled: never computed)
+                    batch.append(entry)
+                    if len(batch) == self.max_batch_size:
+                        break
+        if not pending:
             if state.timer is not None:
                 state.timer.cancel()
                 state.timer = None

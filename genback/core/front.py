@@ -109,7 +109,7 @@ class Front:
             TypeError / ValueError: as :meth:`tokens`.
         """
         ctx, h, parent = self.contexts.check_context(token_ids, name)
-        if self.max_context_length and len(ctx) > self.max_context_length:
+        if self.max_context_length and ctx._n > self.max_context_length:
             raise ValueError(f"{name} has {len(ctx)} tokens, more than the model's context of "
                              f"{self.max_context_length}")
         return ctx, h, parent
@@ -298,9 +298,10 @@ class Front:
         if todo:
             with self.lock:
                 self.check_open()
-                if self.adapters is not None:
+                adapters = self.adapters  # (tested once per adapter: mostly None)
+                if adapters and any(map(adapters.error, {queries[i].adapter for i in todo})):
                     for i in todo:
-                        results[i] = self.adapters.error(queries[i].adapter)
+                        results[i] = adapters.error(queries[i].adapter)
                     todo = [i for i in todo if results[i] is None]
                 with no_autocast():
                     computed = (self.runner.run(queries if len(todo) == len(queries)

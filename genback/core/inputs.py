@@ -156,14 +156,14 @@ class ContextChecker:
                 h = hash((n, tuple(token_ids[-HASH_TAIL:]) if kind is list
                           else token_ids[-HASH_TAIL:]))
                 hit = self._seen.get(h)
-                if hit is not None and len(hit) == n and _starts_with(token_ids, hit):
+                if hit is not None and hit._n == n and _starts_with(token_ids, hit):
                     self._touch(h)
                     return hit, h, None
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
                     head = token_ids[-HASH_TAIL - 1:-1]  # (context_hash of ids[:-1])
                     parent = self._seen.get(hash((n - 1, tuple(head) if kind is list else head)))
-                    if (parent is not None and len(parent) == n - 1
+                    if (parent is not None and parent._n == n - 1
                             and _starts_with(token_ids, parent)):
                         hit = parent.extend(last)  # the caller's context
                         self._remember(h, hit)

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from typing import Hashable
 
 
+import torch
+
 from ..rows import compact
 
 
@@ -93,8 +95,13 @@ class OutputCache:
                 if move and hasattr(row, "device"):
                     devices[key] = row.device
                     row = row.cpu()
-                held += _nbytes(row) - _nbytes(rows.pop(key, None))
-                rows[key] = row
+                n = len(rows)
+                old = rows.setdefault(key, row)  # (a new key, mostly: hashed once)
+                if len(rows) == n:  # (a row kept already: replaced, and now the most recent)
+                    held -= _nbytes(old)
+                    del rows[key]
+                    rows[key] = row
+                held += row.nbytes if type(row) is torch.Tensor else _nbytes(row)
             for _ in range(len(rows) - self.max_entries):  # the least recently used go
                 gone, dropped = rows.popitem(last=False)
                 if devices:

@@ -310,26 +310,25 @@ class HFRunner:
         held, new = [], []
         tree = self.tree
         try:
-            for p in level:
+            for p in () if uniform else level:
                 if p.holder is None:  # (planned paths were matched, and touched, by the plan)
                     _, cached, holder = tree.match(
                         p.tokens, p.limit, touch=False, adapter=p.adapter, segments=False)
                     p.matched(cached, holder)
-                tree.acquire(p.holder)
-                held.append(p.holder)
+            held = [p.holder for p in level]
+            tree.acquire(*held)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
                 out = self._forward(group, uniform)
-                answered.extend(zip((o for p in group for o in p.outputs), out.values))
+                answered.extend(zip([o for p in group for o in p.outputs], out.values))
                 self._commit(group, out.new_slots, new)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             # the LRU order of everything this level used or inserted, each node once (also
             # after an error: an inserted node must be in the LRU)
             tree.touch_all(held + new)
-            for holder in held:
-                tree.release(holder)
+            tree.release(*held)
         return answered
 
     def _commit(self, group: list[Path], new_slots: list, new: list) -> None:

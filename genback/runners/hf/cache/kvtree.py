@@ -122,12 +122,14 @@ class KVTree:
             self._touch(node)
         return (prefix_segments(node, pos) if segments else None), pos, node
 
-    def acquire(self, node: _Node) -> None:
-        """Protect ``node`` (and so its ancestors) from eviction until ``release``."""
-        node.refs += 1
+    def acquire(self, *nodes: _Node) -> None:
+        """Protect each of ``nodes`` (and so its ancestors) from eviction until ``release``."""
+        for node in nodes:  # (one call for a step's paths)
+            node.refs += 1
 
-    def release(self, node: _Node) -> None:
-        node.refs -= 1
+    def release(self, *nodes: _Node) -> None:
+        for node in nodes:
+            node.refs -= 1
 
     # -- insertion ------------------------------------------------------------------------------
 
@@ -205,12 +207,11 @@ class KVTree:
                 or n == 0 or len(tokens) - node.depth != n
                 or len(node.edge) + n > self.EXTEND_MAX):
             return False
-        # (a growing edge is not untracked: it is replaced at the leaf's next step, and the
-        # collector untracks a tuple of ints itself when it first walks it, <= 64 items)
+        # (not untracked: replaced at the leaf's next step; the collector untracks <= 64 ints)
         node.edge = (node.edge + (tokens[-1],) if n == 1
                      else node.edge + tuple(tokens[node.depth:]))
         node.slots = np.concatenate((node.slots, slots))
-        node.depth = len(tokens)
+        node.depth += n  # (= len(tokens))
         added = n * self.token_bytes
         node.bytes += added
         self.bytes_held += added
