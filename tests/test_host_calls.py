@@ -1,0 +1,104 @@
+"""The host's work per query of an SMC step, counted (issue 38, part 3): genback's own Python
+function calls outside the model's forward, per query and per step, on the tiny model's tree
+path (``decode="auto"``, the CPU's default) and through the eager decode step. A count, not a time: it is the same on
+any machine, and it is what a GPU's step waits for on the host (every call is ~0.1-0.3 µs of
+it). The budgets are this code's counts with a little room; a change that adds host work per
+query fails here and has to say why in the budget."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import genback
+from genback.llm import AsyncTransformer
+
+PACKAGE = str(Path(genback.__file__).resolve().parent)
+
+# genback's function calls per query of a uniform step at 64 particles (the step's fixed part
+# spread over them) and per step at one particle. Counted at the commit that set them: 48.2 /
+# 133 on the tree path, 48.5 / 155 through the eager decode step (the code before it: 59.9 /
+# 141 and 60.2 / 163).
+PER_QUERY = {"auto": 50, "eager": 50}
+ONE_PARTICLE_STEP = {"auto": 136, "eager": 158}
+
+
+class CallCounter:
+    """Counts calls of functions defined in genback's package while no model forward runs
+    (genback's attention functions, called by the model's layers, are the forward's work)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.counting = False
+        self._inside = 0
+        self._hooks = [model.register_forward_pre_hook(self._enter),
+                       model.register_forward_hook(self._leave)]
+
+    def _enter(self, module, args):
+        self._inside += 1
+
+    def _leave(self, module, args, output):
+        self._inside -= 1
+
+    def _profile(self, frame, event, arg):
+        if (event == "call" and self.counting and not self._inside
+                and frame.f_code.co_filename.startswith(PACKAGE)):
+            self.calls += 1
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        threading.setprofile(self._profile)  # (a batch may run on the batcher's worker)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(None)
+        threading.setprofile(None)
+        for h in self._hooks:
+            h.remove()
+
+
+async def _smc_calls(model, tok, particles: int, decode: str, steps: int = 8,
+                     warmup: int = 3) -> tuple[int, int, dict]:
+    """``(calls, queries, cache_info)`` over ``steps`` counted SMC steps (a gather of
+    ``next_token_logprobs``, each particle one random token longer per step, resampled every
+    4 steps) after ``warmup`` steps from a shared 100-token prompt."""
+    rng = random.Random(0)
+    lm = AsyncTransformer(model, tok, decode=decode)
+    prompt = [rng.randrange(100, 5000) for _ in range(100)]
+    parts = [prompt] * particles
+    counter = CallCounter(model)
+    try:
+        with counter:
+            for step in range(warmup + steps):
+                counter.counting = step >= warmup
+                rows = await asyncio.gather(*(lm.next_token_logprobs(p) for p in parts))
+                counter.counting = False
+                assert len(rows) == particles
+                parts = [p + [rng.randrange(100, 5000)] for p in parts]
+                if step % 4 == 3:
+                    parts = [rng.choice(parts) for _ in parts]
+        return counter.calls, steps * particles, lm.cache_info()
+    finally:
+        await lm.aclose()
+
+
+@pytest.mark.parametrize("decode", ["auto", "eager"])
+def test_an_smc_steps_host_work_per_query_stays_in_budget(tiny_hf, gpt2_tok, decode):
+    """64 particles: genback's calls per query within its budget, each counted step one
+    forward (the uniform step: no planning of a general batch)."""
+    calls, queries, info = asyncio.run(_smc_calls(tiny_hf, gpt2_tok, 64, decode))
+    assert info["forwards"] == 3 + 8  # (the prompt's prefill, 2 warm-up steps, 8 counted)
+    assert calls / queries <= PER_QUERY[decode], f"{calls / queries:.1f} calls per query"
+
+
+@pytest.mark.parametrize("decode", ["auto", "eager"])
+def test_a_one_particle_steps_host_work_stays_in_budget(tiny_hf, gpt2_tok, decode):
+    """One particle: the step's fixed part (the batch, the plan, the layout, the forward's
+    inputs, the row) within its budget."""
+    calls, queries, _ = asyncio.run(_smc_calls(tiny_hf, gpt2_tok, 1, decode))
+    assert calls / queries <= ONE_PARTICLE_STEP[decode], f"{calls / queries:.1f} calls a step"
