@@ -102,7 +102,7 @@ class Batcher:
         )
         self._lock = threading.Lock()
         self._last: tuple | None = None  # (loop, its state): the loop that enqueued last
-        self._closed = False
+        self.closed = False  # (set by close; read-only to everyone else)
         self.batches = 0  # dispatched batches
         self.inline_batches = 0  # of which run on the event loop's thread (inline_cohort)
         self.queries = 0  # distinct queries computed
@@ -156,7 +156,7 @@ class Batcher:
         return group.future
 
     def _open_state(self) -> tuple[asyncio.AbstractEventLoop, LoopState]:
-        if self._closed:
+        if self.closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         loop = asyncio.get_running_loop()
         last = self._last  # (one read: the pair is replaced whole, never mutated)
@@ -231,15 +231,11 @@ class Batcher:
 
     def close(self) -> None:
         """Fail pending queries and stop the worker (waits for the running batch). Idempotent."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self.reset(BatcherClosed("the model was closed (aclose) while this query was pending"))
         self._executor.shutdown(wait=True)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ class Immediate:
         self._answer = answer
         self._reset = reset
         self._count = count
-        self._closed = False
+        self.closed = False  # (set by close; read-only to everyone else)
 
     @property
     def batches(self) -> int:
@@ -35,10 +35,6 @@ class Immediate:
     def queries(self) -> int:
         return self._count()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     async def submit(self, key: Hashable, query: Any) -> Any:
         """The result of ``query`` (identical queries in flight are joined by the engine).
 
@@ -46,13 +42,13 @@ class Immediate:
             BatcherClosed: closed, or reset while the query ran.
             Exception: whatever ``answer`` raised.
         """
-        if self._closed:
+        if self.closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         return await self._answer(query)
 
     def enqueue(self, key: Hashable, query: Any) -> asyncio.Future:
         """Send ``query`` now; return the future of its result (call it on a running loop)."""
-        if self._closed:
+        if self.closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
         return asyncio.ensure_future(self._answer(query))
 
@@ -68,4 +64,4 @@ class Immediate:
                            else "pending queries were reset (reset_async_queries)")
 
     def close(self) -> None:
-        self._closed = True
+        self.closed = True

@@ -90,7 +90,7 @@ class Query:
         # context_hash(tokens): given when known (the front's check computed it; a Step is
         # built with its NextToken's), not hashed again
         self.tokens_hash = context_hash(tokens) if tokens_hash is None else tokens_hash
-        self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self._extra())
+        self._hash = hash((type(self).__name__, self.tokens_hash, adapter) + self.extra)
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -98,8 +98,9 @@ class Query:
         the first call, then kept)."""
         return flat(self.context)
 
-    def _extra(self) -> tuple:
-        return ()
+    extra: tuple = ()
+    """What else but the context and the adapter makes two queries of one kind differ (a score's
+    targets, a step's pick): part of equality and the hash (set before ``Query.__init__``)."""
 
     def slices(self, n: int) -> list["Query"]:
         """The queries that answer this one's outputs in slices of at most ``n`` positions each
@@ -118,7 +119,7 @@ class Query:
     def __eq__(self, other) -> bool:
         return self is other or (
             type(other) is type(self) and self._hash == other._hash
-            and self.adapter == other.adapter and self._extra() == other._extra()
+            and self.adapter == other.adapter and self.extra == other.extra
             and (self.context is other.context or self.context == other.context))
 
     def __repr__(self) -> str:
@@ -162,7 +163,7 @@ class Score(Query):
     ``targets[i]`` is the argmax of its position's logits (both from the same forward).
     """
 
-    __slots__ = ("targets", "greedy")
+    __slots__ = ("targets", "greedy", "extra")
     at_end = False
 
     def __init__(self, tokens: tuple[int, ...], targets: tuple[int, ...],
@@ -172,10 +173,8 @@ class Score(Query):
                              f"{len(tokens)} tokens")
         self.targets = tuple(targets)
         self.greedy = bool(greedy)
+        self.extra = (self.targets, self.greedy)
         super().__init__(tokens, adapter)
-
-    def _extra(self) -> tuple:
-        return (self.targets, self.greedy)
 
     @property
     def n_outputs(self) -> int:
@@ -201,13 +200,11 @@ class Step(Query):
     makes from the logits after ``tokens`` as ``pick`` says, on the model's device (only the
     token and the asked-for log-probs leave it). Runners that answer it declare ``picks``."""
 
-    __slots__ = ("pick",)
+    __slots__ = ("pick", "extra")
 
     def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None, *,
                  tokens_hash: int | None = None, parent: "tuple | Context | None" = None):
         self.pick = pick
+        self.extra = (pick,)
         super().__init__(tokens, adapter, tokens_hash=tokens_hash, parent=parent)
-
-    def _extra(self) -> tuple:
-        return (self.pick,)
 

@@ -35,13 +35,23 @@ class Ends:
     def get(self, tokens, adapter=None):
         """The node where the KV of ``tokens`` (this very object, under ``adapter``) ends, if a
         recent :meth:`note` said so and that node still ends there; else None. O(1)."""
-        end = self._current.get(id(tokens)) or self._before.get(id(tokens))
-        if end is None or end[0] is not tokens or end[2] != adapter:
-            return None
-        node = end[1]
-        if node.slots is None or node.parent is None or node.depth != len(tokens):
-            return None  # evicted or merged away since
-        return node
+        found = self.nodes((tokens,), adapter)
+        return None if found is None else found[0]
+
+    def nodes(self, contexts, adapter=None) -> list | None:
+        """:meth:`get` of each of ``contexts`` (a step's parents), in one call; None as soon as
+        one has no node (or is None)."""
+        current, before = self._current, self._before
+        out = []
+        for tokens in contexts:
+            end = current.get(id(tokens)) or before.get(id(tokens))
+            if end is None or end[0] is not tokens or end[2] != adapter:
+                return None  # (None itself is never noted: a query without a parent)
+            node = end[1]
+            if node.slots is None or node.parent is None or node.depth != len(tokens):
+                return None  # evicted or merged away since
+            out.append(node)
+        return out
 
     def note(self, tokens, node, adapter=None) -> None:
         """Remember that the KV of ``tokens`` (this very object: a tuple or a

@@ -59,7 +59,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..forward import attention as tree_attention
-from ..forward.base import ForwardOut
+from ..forward.base import ForwardOut, cached_lengths, last_tokens
 from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.lanes import REFRESH, Lanes
@@ -273,9 +273,8 @@ class DecodeStep:
                 return None
             new_slots, table, pads, prefix = full
             age = 0
-        ids = np.fromiter((p.tokens[-1] for p in group), dtype=np.int64, count=R)
-        positions = np.fromiter((p.cached for p in group), dtype=np.int64, count=R)
-        return (StepLayout(ids, positions, new_slots, table, pads, prefix),
+        return (StepLayout(last_tokens(group), cached_lengths(group), new_slots, table, pads,
+                           prefix),
                 Lanes(group, table, pads, prefix, self.pool.frees, age))
 
     @staticmethod

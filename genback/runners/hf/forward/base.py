@@ -10,6 +10,7 @@ nothing is written into the plan, and the runner reads nothing else of a forward
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,19 +44,33 @@ def as_long(values, device=None) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
+def last_tokens(paths: list[Path]) -> np.ndarray:
+    """``int64 [R]``: each path's last token (a decode step's input), without a Python frame per
+    path (``map`` of C-level getters)."""
+    return np.fromiter(map(_last, map(_tokens, paths)), dtype=np.int64, count=len(paths))
+
+
+def cached_lengths(paths: list[Path]) -> np.ndarray:
+    """``int64 [R]``: each path's cached length (a decode step's position)."""
+    return np.fromiter(map(_cached, paths), dtype=np.int64, count=len(paths))
+
+
+_tokens, _cached, _last = (operator.attrgetter("tokens"), operator.attrgetter("cached"),
+                           operator.itemgetter(-1))
+
+
 def model_inputs(paths: list[Path], pad_id: int):
     """input_ids / position_ids ``[R, m]`` (CPU) and the new-token counts: one array built from
     the paths' new tokens (right-padded with ``pad_id``), not a torch call per path."""
-    R = len(paths)
     n_new = [p.n_new for p in paths]
     m = max(n_new)
     if m == 1:  # a decode step: each path's last token
-        ids = np.fromiter((p.tokens[-1] for p in paths), dtype=np.int64, count=R)[:, None]
+        ids = last_tokens(paths)[:, None]
     else:
         pad = (pad_id,) * m
         ids = np.array([p.tokens[p.cached:] + pad[: m - n] for p, n in zip(paths, n_new)],
                        dtype=np.int64)
-    cached = np.fromiter((p.cached for p in paths), dtype=np.int64, count=R)[:, None]
+    cached = cached_lengths(paths)[:, None]
     positions = cached if m == 1 else cached + np.arange(m, dtype=np.int64)
     return torch.from_numpy(ids), torch.from_numpy(positions), n_new
 

@@ -123,15 +123,13 @@ def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
         adapter: the queries' adapter key.
         budget: the runner's :class:`.budget.ForwardBudget`.
     """
+    nodes = ends.nodes([q.parent for q in queries], adapter)
+    if nodes is None:  # (a Score or Prefill has no parent; a parent's node may be gone)
+        return None
     paths: list[Path] = []
     longest = 0
-    get = ends.get
-    for i, q in enumerate(queries):
-        parent = q.parent
-        if parent is None or q.n_outputs != 1:  # (a Score or Prefill has no parent)
-            return None
-        node = get(parent, adapter)
-        if node is None:
+    for i, (q, node) in enumerate(zip(queries, nodes)):
+        if q.n_outputs != 1:
             return None
         n = len(q.context)
         paths.append(Path(q.context, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node)))
