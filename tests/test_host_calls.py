@@ -21,11 +21,11 @@ from genback.llm import AsyncTransformer
 PACKAGE = str(Path(genback.__file__).resolve().parent)
 
 # genback's function calls per query of a uniform step at 64 particles (the step's fixed part
-# spread over them) and per step at one particle. Counted at the commit that set them: 48.2 /
-# 133 on the tree path, 48.5 / 155 through the eager decode step (the code before it: 59.9 /
-# 141 and 60.2 / 163).
-PER_QUERY = {"auto": 50, "eager": 50}
-ONE_PARTICLE_STEP = {"auto": 136, "eager": 158}
+# spread over them) and per step at one particle. Counted at the commit that set them: 42.4 /
+# 128 on the tree path, 42.7 / 150 through the eager decode step (the code before this issue's
+# seventh pass: 59.9 / 141 and 60.2 / 163).
+PER_QUERY = {"auto": 44, "eager": 44}
+ONE_PARTICLE_STEP = {"auto": 131, "eager": 153}
 
 
 class CallCounter:
