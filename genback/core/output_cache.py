@@ -25,7 +25,6 @@ import threading
 from collections import OrderedDict
 from typing import Hashable
 
-
 import torch
 
 from ..rows import compact
