@@ -135,7 +135,8 @@ class Batcher:
         with self._lock:
             self._add(state, loop, key, query, future)
             ready, check = self._decide(state)
-        self._after_add(state, loop, ready, check)
+        if ready or check:  # (mostly neither: the batch's first query queued its check)
+            self._after_add(state, loop, ready, check)
         return future
 
     def enqueue_many(self, items: Sequence[tuple[Hashable, Any]]) -> asyncio.Future:
@@ -152,7 +153,8 @@ class Batcher:
             for i, (key, query) in enumerate(items):
                 self._add(state, loop, key, query, Member(group, i))
             ready, check = self._decide(state)
-        self._after_add(state, loop, ready, check)
+        if ready or check:
+            self._after_add(state, loop, ready, check)
         return group.future
 
     def _open_state(self) -> tuple[asyncio.AbstractEventLoop, LoopState]:

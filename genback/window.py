@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-__all__ = ["pair_inputs", "check_pair", "truncate_pair", "rolling_windows"]
+__all__ = ["pair_inputs", "check_pair", "context_too_long", "truncate_pair", "rolling_windows"]
 
 
 def _check_window(window) -> int:
@@ -34,6 +34,13 @@ def _check_window(window) -> int:
 def pair_inputs(n_context: int, n_continuation: int) -> int:
     """Tokens the forward of a scored pair takes: ``n_context + n_continuation - 1``."""
     return n_context + n_continuation - 1
+
+
+def context_too_long(n_tokens: int, window: int, name: str = "token_ids") -> ValueError:
+    """The ``ValueError`` (returned, for the caller to raise) of a context of ``n_tokens``
+    tokens, more than a window of ``window``, that would be a forward's inputs whole (a
+    next-token query's context)."""
+    return ValueError(f"{name} has {n_tokens} tokens, more than the model's context of {window}")
 
 
 def check_pair(n_context: int, n_continuation: int, window: int | None,

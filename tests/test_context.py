@@ -207,6 +207,27 @@ def test_contexts_checked_for_another_vocabulary():
     assert big.check_context(ok)[0] is ok and ok.vocab == 1000  # (ids < 1000 < 50,000)
 
 
+def test_a_step_at_a_time_checks_each_added_id():
+    """An SMC program's chain, checked at every step (each context extends a checked one by one
+    id: the check's one-id case): every context is taken with the list's hash and its parent;
+    an id out of range (too large or negative) fails with its index, and the context stays
+    unchecked while the chain goes on from its parent."""
+    check = ContextChecker(vocab_size=100)
+    ctx, ref = check.check_context(list(range(40)))[0], list(range(40))
+    for step, token in enumerate([5, 99, 0, 7] * 20):  # (past TAIL_MAX: a new base on the way)
+        for bad in (100, -1):
+            wrong = ctx + [bad]
+            with pytest.raises(ValueError, match=rf"token_ids\[{len(ref)}\] = {bad} is outside"):
+                check.check_context(wrong)
+            assert wrong.vocab == 0 and wrong.parent is ctx
+        nxt = ctx + [token]
+        got, h, parent = check.check_context(nxt)
+        ref.append(token)
+        assert got is nxt and parent is ctx and h == context_hash(tuple(ref)) and nxt.vocab == 100
+        assert list(nxt) == ref and nxt.parent is None
+        ctx = nxt
+
+
 def test_plus_takes_integers_only():
     ctx = ContextChecker(vocab_size=100).check_context([1, 2])[0]
     assert list(ctx + [np.int64(5), 6]) == [1, 2, 5, 6] and type((ctx + [np.int64(5)])[-1]) is int

@@ -21,11 +21,11 @@ from genback.llm import AsyncTransformer
 PACKAGE = str(Path(genback.__file__).resolve().parent)
 
 # genback's function calls per query of a uniform step at 64 particles (the step's fixed part
-# spread over them) and per step at one particle. Counted at the commit that set them: 42.4 /
-# 128 on the tree path, 42.7 / 150 through the eager decode step (the code before this issue's
-# seventh pass: 59.9 / 141 and 60.2 / 163).
-PER_QUERY = {"auto": 44, "eager": 44}
-ONE_PARTICLE_STEP = {"auto": 131, "eager": 153}
+# spread over them) and per step at one particle. Counted at the commit that set them: 35.4 /
+# 122 on the tree path, 35.7 / 144 through the eager decode step (the code before this issue's
+# eighth pass: 42.4 / 128 and 42.7 / 150; before the seventh: 59.9 / 141 and 60.2 / 163).
+PER_QUERY = {"auto": 37, "eager": 37, "auto/context": 35}  # (context objects: 33.7; before 42.5)
+ONE_PARTICLE_STEP = {"auto": 124, "eager": 146}
 
 
 class CallCounter:
@@ -66,11 +66,13 @@ async def _smc_calls(model, tok, particles: int, decode: str, steps: int = 8,
                      warmup: int = 3) -> tuple[int, int, dict]:
     """``(calls, queries, cache_info)`` over ``steps`` counted SMC steps (a gather of
     ``next_token_logprobs``, each particle one random token longer per step, resampled every
-    4 steps) after ``warmup`` steps from a shared 100-token prompt."""
+    4 steps) after ``warmup`` steps from a shared 100-token prompt. ``decode`` ending in
+    ``/context``: the particles hold ``lm.context`` objects, else lists."""
+    decode, _, api = decode.partition("/")
     rng = random.Random(0)
     lm = AsyncTransformer(model, tok, decode=decode)
     prompt = [rng.randrange(100, 5000) for _ in range(100)]
-    parts = [prompt] * particles
+    parts = [lm.context(prompt) if api == "context" else prompt] * particles
     counter = CallCounter(model)
     try:
         with counter:
@@ -87,7 +89,7 @@ async def _smc_calls(model, tok, particles: int, decode: str, steps: int = 8,
         await lm.aclose()
 
 
-@pytest.mark.parametrize("decode", ["auto", "eager"])
+@pytest.mark.parametrize("decode", ["auto", "eager", "auto/context"])
 def test_an_smc_steps_host_work_per_query_stays_in_budget(tiny_hf, gpt2_tok, decode):
     """64 particles: genback's calls per query within its budget, each counted step one
     forward (the uniform step: no planning of a general batch)."""

@@ -13,7 +13,8 @@ A query takes one path through them (``await lm.next_token_logprobs(ids)``):
    ``next_token_logprobs`` returned (:mod:`genback.query_future`: no task per query).
 
 :mod:`.decoding` (sampling loops over decoding steps) and :mod:`.queue_api` (genlm-backend's
-queue names) sit beside ``AsyncLM``. Nothing here imports a backend: each backend's facade
+queue names) sit beside ``AsyncLM``; :mod:`.batch_options` is the batcher's two settings as the
+front exposes them. Nothing here imports a backend: each backend's facade
 (``genback.runners.<name>.model``) subclasses ``AsyncLM`` and hands it a runner
 (:mod:`genback.runner` is the contract).
 """

@@ -42,15 +42,16 @@ from ..context import Context
 from .output_cache import OutputCache
 from ..query import NextToken, Query, Score
 from ..runner import Capabilities
-from ..window import check_pair
+from ..window import check_pair, context_too_long
 from .adapters import Adapters
 from .autocast import no_autocast
+from .batch_options import BatchOptions
 from .inputs import ContextChecker, check_lora, check_positive_int
 from ..query_future import done_future, failed_future
 from ..rows import copy_result, own, owned_copies
 
 
-class Front:
+class Front(BatchOptions):
     """Checks, output cache, counters, forward lock and scheduler in front of one runner.
 
     Args:
@@ -110,8 +111,7 @@ class Front:
         """
         ctx, h, parent = self.contexts.check_context(token_ids, name)
         if self.max_context_length and ctx._n > self.max_context_length:
-            raise ValueError(f"{name} has {len(ctx)} tokens, more than the model's context of "
-                             f"{self.max_context_length}")
+            raise context_too_long(ctx._n, self.max_context_length, name)
         return ctx, h, parent
 
     def next_token(self, token_ids, adapter: int | None, name: str = "token_ids") -> NextToken:
@@ -216,10 +216,26 @@ class Front:
         return own(row) if row is not None else self.owned(await self.submit(query))
 
     def _next_token_lookup(self, token_ids, lora_name) -> tuple[NextToken, object]:
-        """``(query, cached row or None)`` of a next-token query (checked and counted)."""
-        query = self.next_token(token_ids,
-                                None if lora_name is None else self.adapter_key(lora_name))
-        return query, self.lookup(query)
+        """``(query, cached row or None)`` of a next-token query, checked and counted:
+        :meth:`next_token` then :meth:`lookup`, in one frame (an SMC step's hot path: each
+        call of a query's way in is host work the step's forward waits for, issue 38).
+
+        Raises:
+            TypeError / ValueError: as :meth:`next_token`, or an unknown ``lora_name``.
+            BatcherClosed: the model was closed.
+        """
+        adapter = None if lora_name is None else self.adapter_key(lora_name)
+        ctx, h, parent = self.contexts.check_context(token_ids, "token_ids")
+        n = ctx._n
+        if self.max_context_length and n > self.max_context_length:
+            raise context_too_long(n, self.max_context_length, "token_ids")
+        query = NextToken(ctx, adapter, tokens_hash=h, parent=parent)
+        if self.scheduler.closed:
+            self.check_open()
+        with self._stats_lock:  # (count)
+            self.queries += 1
+            self.tokens_queried += n
+        return query, self.cache.get(query)
 
     def submit(self, query: Query):
         """The awaitable result of a counted ``query`` that :meth:`lookup` did not find (the
@@ -343,41 +359,6 @@ class Front:
         if isinstance(self.scheduler, Batcher):
             return row
         return own(row)
-
-    @property
-    def batch_size(self) -> int | None:
-        """Most distinct queries per batch of genback's batcher (settable: from the next batch);
-        None on a backend whose engine sizes its own batches (vLLM).
-
-        Raises:
-            ValueError: set to a non-positive int, or on a backend without genback's batcher.
-        """
-        return self.scheduler.max_batch_size if isinstance(self.scheduler, Batcher) else None
-
-    @batch_size.setter
-    def batch_size(self, value: int) -> None:
-        self._batcher("batch_size").max_batch_size = check_positive_int(value, "batch_size")
-
-    @property
-    def batch_window(self) -> float | None:
-        """Seconds a batch of genback's batcher waits for more queries, from its first query
-        (settable); None on a backend whose engine sizes its own batches (vLLM).
-
-        Raises:
-            ValueError: set to a negative or non-finite number, or on a backend without
-                genback's batcher.
-        """
-        return self.scheduler.window if isinstance(self.scheduler, Batcher) else None
-
-    @batch_window.setter
-    def batch_window(self, value: float) -> None:
-        self._batcher("batch_window").window = Batcher.check_window(value)
-
-    def _batcher(self, name: str) -> Batcher:
-        if not isinstance(self.scheduler, Batcher):
-            raise ValueError(f"{name} is a setting of genback's batcher; this backend's engine "
-                             f"sizes its own batches")
-        return self.scheduler
 
     def info(self) -> dict:
         """``cache_info()``: the front's counters, then the runner's ``stats()``."""

@@ -178,13 +178,20 @@ class ContextChecker:
         made by ``+`` from a checked one has only its added ids checked), then it is
         remembered itself, and the context it extends by one token is its parent."""
         parent = ctx.parent
-        if not 0 < ctx.vocab <= self.vocab_size and not self._checked_chain(ctx, name):
-            return self._check_new(ctx.tokens, name)  # (not ints: made otherwise than by a model)
+        vocab = self.vocab_size
+        if not 0 < ctx.vocab <= vocab:
+            if parent is not None and 0 < parent.vocab <= vocab and parent._n == ctx._n - 1:
+                # (a checked context plus one id, an SMC step: that id alone)
+                last = (ctx.tail or ctx.base)[-1]
+                if not 0 <= last < vocab:
+                    _raise_out_of_vocab((last,), vocab, name, parent._n)
+                ctx.vocab = vocab
+            elif not self._checked_chain(ctx, name):  # (not ints: made otherwise than by a model)
+                return self._check_new(ctx.tokens, name)
         ctx.parent = None  # (checked: nothing before it is kept alive by it)
-        h = hash((ctx._n, ctx[-HASH_TAIL:]))  # (context_hash)
+        h = hash((ctx._n, ctx.last(HASH_TAIL)))  # (context_hash)
         self._remember(h, ctx)
-        if parent is not None and (parent._n != ctx._n - 1
-                                   or not 0 < parent.vocab <= self.vocab_size):
+        if parent is not None and (parent._n != ctx._n - 1 or not 0 < parent.vocab <= vocab):
             parent = None
         return ctx, h, parent
 

@@ -92,10 +92,10 @@ class AsyncLM:
 
     batch_size = property(lambda self: self.front.batch_size,
                           lambda self, value: setattr(self.front, "batch_size", value),
-                          doc=":attr:`.front.Front.batch_size` (settable).")
+                          doc=":attr:`.batch_options.BatchOptions.batch_size` (settable).")
     batch_window = property(lambda self: self.front.batch_window,
                             lambda self, value: setattr(self.front, "batch_window", value),
-                            doc=":attr:`.front.Front.batch_window` (settable).")
+                            doc=":attr:`.batch_options.BatchOptions.batch_window` (settable).")
     timeout = property(batch_window.fget, batch_window.fset,
                        doc="genlm-backend's name of :attr:`batch_window`.")
 
