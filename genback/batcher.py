@@ -44,7 +44,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
-from .pending import Entry, LoopState
+from .pending import Entry, LoopState, live_entries
 from .query_group import Member, QueryGroup
 from .query_future import QueryFuture
 
@@ -322,7 +322,7 @@ class Batcher:
     def _take_batch(self, state: LoopState) -> list[Entry]:
         pending = state.pending
         if len(pending) <= self.max_batch_size:  # (mostly: all of it, no key hashed again)
-            batch = [entry for entry in pending.values() if entry.live()]
+            batch = live_entries(pending.values())
             pending.clear()
         else:  # its first max_batch_size live entries (dead ones before them dropped)
             batch = []

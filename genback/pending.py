@@ -5,6 +5,7 @@ Guarded by the batcher's lock."""
 from __future__ import annotations
 
 import asyncio
+import operator
 from typing import Hashable
 
 
@@ -23,6 +24,15 @@ class Entry:
             if not f.done():
                 return True
         return False
+
+
+_done = operator.methodcaller("done")
+
+
+def live_entries(entries) -> list[Entry]:
+    """The entries of ``entries`` that a caller still waits for (:meth:`Entry.live` of each,
+    without a Python frame per entry: a batch's callers are mostly C-level futures)."""
+    return [e for e in entries if not all(map(_done, e.waiters))]
 
 
 class LoopState:
