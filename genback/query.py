@@ -10,9 +10,9 @@
 Every kind has ``tokens`` (a tuple of ints; ``context``, the same ids as given: a tuple, or the
 front's :class:`~genback.context.Context`, whose flat tuple is built only when ``tokens`` is
 read), ``adapter`` (None for the base model, else the runner's
-key of a LoRA adapter: the same tokens under two adapters are two different queries) and
-``n_outputs`` (how many positions' logits it needs: the last ``n_outputs`` positions of
-``tokens``).
+key of a LoRA adapter: the same tokens under two adapters are two different queries),
+``n_tokens`` (``len(tokens)``, kept) and ``n_outputs`` (how many positions' logits it needs:
+the last ``n_outputs`` positions of ``tokens``).
 
 The front and the planners never test a query's type: they ask the query.
 
@@ -67,9 +67,12 @@ class Query:
         parent: the lineage hint: a context known to equal ``tokens[:-1]``, the very object an
             earlier query had as its context, so a runner may find that query's KV by identity
             (not part of equality or the hash).
+        n_tokens: ``len(tokens)`` when the caller has it (the front's check), else computed
+            here; kept as :attr:`n_tokens` (read by the planners without a call of a context's
+            ``__len__``).
     """
 
-    __slots__ = ("context", "adapter", "tokens_hash", "_hash", "parent")
+    __slots__ = ("context", "adapter", "tokens_hash", "_hash", "parent", "n_tokens")
     n_outputs = 1
     cacheable = False
     """Whether its result is a next-token row the output cache keeps."""
@@ -78,7 +81,9 @@ class Query:
     at the end: a decode step's row)."""
 
     def __init__(self, tokens: "tuple[int, ...] | Context", adapter: int | None = None, *,
-                 tokens_hash: int | None = None, parent: "tuple | Context | None" = None):
+                 tokens_hash: int | None = None, parent: "tuple | Context | None" = None,
+                 n_tokens: int | None = None):
+        self.n_tokens = len(tokens) if n_tokens is None else n_tokens
         # the ids as given: a tuple, or a validated Context (the front's, for a next-token
         # query: its flat tuple is built only when asked for, see genback.context)
         self.context = tokens
@@ -141,7 +146,7 @@ class NextToken(Query):
             return self
         key = object.__new__(NextToken)
         key.context, key.adapter, key.parent = self.context, self.adapter, None
-        key.tokens_hash, key._hash = self.tokens_hash, self._hash
+        key.tokens_hash, key._hash, key.n_tokens = self.tokens_hash, self._hash, self.n_tokens
         return key
 
 
@@ -203,8 +208,10 @@ class Step(Query):
     __slots__ = ("pick", "extra")
 
     def __init__(self, tokens: tuple[int, ...], pick: "Pick", adapter: int | None = None, *,
-                 tokens_hash: int | None = None, parent: "tuple | Context | None" = None):
+                 tokens_hash: int | None = None, parent: "tuple | Context | None" = None,
+                 n_tokens: int | None = None):
         self.pick = pick
         self.extra = (pick,)
-        super().__init__(tokens, adapter, tokens_hash=tokens_hash, parent=parent)
+        super().__init__(tokens, adapter, tokens_hash=tokens_hash, parent=parent,
+                         n_tokens=n_tokens)
 

@@ -21,11 +21,12 @@ from genback.llm import AsyncTransformer
 PACKAGE = str(Path(genback.__file__).resolve().parent)
 
 # genback's function calls per query of a uniform step at 64 particles (the step's fixed part
-# spread over them) and per step at one particle. Counted at the commit that set them: 35.4 /
-# 122 on the tree path, 35.7 / 144 through the eager decode step (the code before this issue's
-# eighth pass: 42.4 / 128 and 42.7 / 150; before the seventh: 59.9 / 141 and 60.2 / 163).
-PER_QUERY = {"auto": 37, "eager": 37, "auto/context": 35}  # (context objects: 33.7; before 42.5)
-ONE_PARTICLE_STEP = {"auto": 124, "eager": 146}
+# spread over them) and per step at one particle. Counted at the commit that set them: 32.7 /
+# 120 on the tree path, 33.0 / 142 through the eager decode step, 31.0 a query on context
+# objects (before this eighth pass: 42.4 / 128, 42.7 / 150 and 42.5; before the
+# seventh: 59.9 / 141 and 60.2 / 163).
+PER_QUERY = {"auto": 34, "eager": 34, "auto/context": 33}
+ONE_PARTICLE_STEP = {"auto": 122, "eager": 144}
 
 
 class CallCounter:

@@ -64,7 +64,7 @@ class Decoding:
             if front.capabilities.picks:
                 return await front.submit(Step(query.context, pick, adapter,
                                                tokens_hash=query.tokens_hash,
-                                               parent=query.parent))
+                                               parent=query.parent, n_tokens=query.n_tokens))
             row = await front.submit(query)
         return choose(row, query.context, pick)
 

@@ -122,7 +122,7 @@ class Front(BatchOptions):
             TypeError / ValueError: as :meth:`tokens`.
         """
         ctx, h, parent = self.checked(token_ids, name)
-        return NextToken(ctx, adapter, tokens_hash=h, parent=parent)
+        return NextToken(ctx, adapter, tokens_hash=h, parent=parent, n_tokens=ctx._n)
 
     def score(self, context_ids, continuation_ids, greedy: bool, adapter: int | None) -> Score:
         """The :class:`~genback.query.Score` of a continuation after a context. The window counts
@@ -189,7 +189,7 @@ class Front(BatchOptions):
             BatcherClosed: the model was closed.
         """
         self.check_open()
-        self.count(len(query.context))
+        self.count(query.n_tokens)
         return self.cache.get(query) if query.cacheable else None
 
     def next_token_row(self, token_ids, lora_name):
@@ -229,7 +229,7 @@ class Front(BatchOptions):
         n = ctx._n
         if self.max_context_length and n > self.max_context_length:
             raise context_too_long(n, self.max_context_length, "token_ids")
-        query = NextToken(ctx, adapter, tokens_hash=h, parent=parent)
+        query = NextToken(ctx, adapter, tokens_hash=h, parent=parent, n_tokens=n)
         if self.scheduler.closed:
             self.check_open()
         with self._stats_lock:  # (count)
@@ -262,7 +262,7 @@ class Front(BatchOptions):
         self.check_open()
         distinct = list(dict.fromkeys(queries))
         for q in distinct:
-            self.count(len(q.context))
+            self.count(q.n_tokens)
         results = self._compute(distinct)
         for value in results:
             if isinstance(value, BaseException):

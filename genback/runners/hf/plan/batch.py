@@ -67,13 +67,14 @@ class Path:
     __slots__ = ("tokens", "adapter", "limit", "outputs", "cached", "holder", "n_new")
 
     def __init__(self, tokens: tuple[int, ...], adapter, limit: int, outputs: list[Output],
-                 match=None):
+                 match=None, n_tokens: int | None = None):
         self.tokens = tokens
         self.adapter = adapter
         self.limit = limit
         self.outputs = outputs
         _, self.cached, self.holder = match if match is not None else (None, 0, None)
-        self.n_new = len(tokens) - self.cached  # (as matched() keeps it)
+        # (as matched() keeps it; n_tokens: len(tokens), when the caller has it)
+        self.n_new = (len(tokens) if n_tokens is None else n_tokens) - self.cached
 
     def matched(self, cached: int, holder) -> None:
         """Set the match: the tree's path down to ``holder`` (a node, the root included)
@@ -101,8 +102,8 @@ class Path:
 
 def query_path(q: Query, index: int = 0) -> Path:
     """The path that answers ``q`` alone (index ``index`` of its batch), not matched yet."""
-    n = len(q.context)
-    return Path(q.context, q.adapter, n - q.n_outputs, [Output(index, q, n)])
+    n = q.n_tokens
+    return Path(q.context, q.adapter, n - q.n_outputs, [Output(index, q, n)], n_tokens=n)
 
 
 def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
@@ -131,8 +132,8 @@ def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
     for i, (q, node) in enumerate(zip(queries, nodes)):
         if q.n_outputs != 1:
             return None
-        n = len(q.context)
-        paths.append(Path(q.context, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node)))
+        n = q.n_tokens
+        paths.append(Path(q.context, adapter, n - 1, [Output(i, q, n)], (None, n - 1, node), n))
         if n > longest:
             longest = n
     # two queries with one context (a row and a decoding step of it, or two picks) are answered
