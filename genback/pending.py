@@ -9,6 +9,9 @@ import operator
 from typing import Hashable
 
 
+_done = operator.methodcaller("done")  # (a future's or a group member's done(), C-level map)
+
+
 class Entry:
     """A pending query and its callers (``waiters``)."""
 
@@ -20,13 +23,8 @@ class Entry:
         self.waiters = [waiter]
 
     def live(self) -> bool:
-        for f in self.waiters:  # (a loop: no generator per call)
-            if not f.done():
-                return True
-        return False
-
-
-_done = operator.methodcaller("done")
+        """Whether a caller still waits for it (:func:`live_entries`'s test, for one entry)."""
+        return not all(map(_done, self.waiters))
 
 
 def live_entries(entries) -> list[Entry]:
