@@ -56,21 +56,25 @@ def log_softmax_rows(logits: torch.Tensor, row_device: torch.device) -> list[tor
     K, V = logits.shape
     per = _per_block(4 * V, HOST_BLOCK_BYTES) if row_device.type == "cpu" else K
     on_device = logits.device.type != "cpu"
+    # (no op that changes nothing: a dispatch costs more than a step's small tensors need)
+    move, f32 = logits.device != row_device, logits.dtype is torch.float32
     if on_device:  # one kernel where it runs; moved to row_device block by block
-        logits = torch.log_softmax(logits.float(), dim=-1)
+        logits = torch.log_softmax(logits if f32 else logits.float(), dim=-1)
     out: list[torch.Tensor] = []
     for a in range(0, K, per):
-        block = logits[a:a + per]
+        block = logits if K <= per else logits[a:a + per]
         if not on_device:
-            block = torch.log_softmax(block.float(), dim=-1)
-        out.extend(block.to(row_device).unbind(0))
+            block = torch.log_softmax(block if f32 else block.float(), dim=-1)
+        out.extend((block.to(row_device) if move else block).unbind(0))
     return out
 
 
 def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of equal-shaped ``rows`` (one device, one dtype), one copy per block of at most
     :data:`DEVICE_COPY_BLOCK_BYTES` (:data:`HOST_BLOCK_BYTES` in host memory; at least one row
-    each): each copy a view of its block."""
+    each): each copy a view of its block (a single row: its clone)."""
+    if len(rows) == 1:  # (one op, not a stack and an unbind)
+        return [rows[0].clone()]
     limit = HOST_BLOCK_BYTES if rows[0].is_cpu else DEVICE_COPY_BLOCK_BYTES
     per = _per_block(rows[0].nbytes, limit)
     out: list[torch.Tensor] = []

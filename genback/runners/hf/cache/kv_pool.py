@@ -40,11 +40,16 @@ class KVPool:
     Args:
         layout: ``(layers, kv_heads, head_dim, dtype, device)`` of the model's KV.
         capacity: initial number of slots (slot 0 included).
+
+    Attributes:
+        token_bytes: bytes of KV per token, all layers, keys and values (fixed: the dtype
+            never changes).
     """
 
     def __init__(self, layout: tuple, capacity: int = INITIAL_SLOTS):
         self.layers, self.heads, self.dim, self.dtype, self.device = layout
         self.store = self._new_store(max(2, capacity))
+        self.token_bytes = self.layers * 2 * self.heads * self.dim * self.store.element_size()
         self.top = 1  # slots >= top were never handed out
         self._free: list[np.ndarray] = []  # freed runs, handed out again before top grows
         self._n_free = 0
@@ -72,10 +77,6 @@ class KVPool:
     def nbytes(self) -> int:
         return self.store.numel() * self.store.element_size()
 
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of KV per token (all layers, keys and values)."""
-        return self.layers * 2 * self.heads * self.dim * self.store.element_size()
 
     # -- slots ----------------------------------------------------------------------------------
 

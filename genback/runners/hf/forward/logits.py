@@ -40,6 +40,8 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None, de
     ``device``: the model's (None: ``model.device``, a walk of its parameters).
     """
     dev = device if device is not None else getattr(model, "device", input_ids.device)
+    # (host inputs on a CPU model: no .to, a dispatch that changes nothing)
+    on_cpu = dev.type == "cpu" and input_ids.is_cpu and positions.is_cpu
     R, m = input_ids.shape
     if spans is None:
         W, whole_grid = 1, True
@@ -66,9 +68,9 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None, de
     try:
         with torch.inference_mode():
             out = model(
-                input_ids=input_ids.to(dev),
+                input_ids=input_ids if on_cpu else input_ids.to(dev),
                 attention_mask=attention_mask,
-                position_ids=positions.to(dev),
+                position_ids=positions if on_cpu else positions.to(dev),
                 use_cache=True,
                 **cache_argument(model, cache),
                 logits_to_keep=(W if whole_grid

@@ -29,7 +29,7 @@ def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device
     """The result of each query (see :mod:`genback.query` and this module's docstring) from
     ``logits`` ``[K, V]`` (on the model's device): the needed positions of the queries in
     order, ``n_outputs`` each."""
-    if len(queries) == len(logits) and set(map(type, queries)) == {NextToken}:
+    if len(queries) == logits.shape[0] and set(map(type, queries)) == {NextToken}:
         # every query a next-token row, one position each (an SMC or decoding step): all rows
         return log_softmax_rows(logits, row_device)
     rows_at, steps_at, steps, scores_at, scores = [], [], [], [], []

@@ -113,16 +113,21 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
     run (or its index on the device) by the array's identity, filled here, so the steps laid
     out from one layout's lanes (the same arrays) test and copy each array once."""
     dev = pool.device
+    cpu = dev.type == "cpu"  # (there a host tensor needs no .to: a dispatch that changes nothing)
     P = layout.shape[1] - m
     # built in NumPy, one tensor at the end (a torch op on small tensors costs several times a
     # NumPy one on the host): each row's left padding of the private past masked (columns <
     # pad), the new tokens causal
-    mask = np.empty((R, 1, m, P + m), dtype=bool)
-    mask[:, 0, :, :P] = (np.arange(P) >= pads[:, None])[:, None, :]
-    mask[:, 0, :, P:] = True if m == 1 else np.tri(m, dtype=bool)
+    if m == 1:  # a decode step: its one new token (column P >= every row's padding) attended
+        mask = (np.arange(P + 1) >= pads[:, None]).reshape(R, 1, 1, P + 1)
+    else:
+        mask = np.empty((R, 1, m, P + m), dtype=bool)
+        mask[:, 0, :, :P] = (np.arange(P) >= pads[:, None])[:, None, :]
+        mask[:, 0, :, P:] = np.tri(m, dtype=bool)
     index = out = None
     if P:
-        index = torch.from_numpy(layout.ravel()).to(dev)
+        index = torch.from_numpy(layout.ravel())
+        index = index if cpu else index.to(dev)
         out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype, device=dev)
     segments = []
     known = {} if known is None else known
@@ -135,5 +140,7 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
         segments.append(attention.Segment(
             hit[1], hit[2], len(seg_slots), None if len(idx) == R else as_long(idx, dev),
             len(idx)))
-    return attention.TreeBatch(segments, pool, torch.from_numpy(slots.ravel()).to(dev), index, P,
-                               torch.from_numpy(mask).to(dev), out)
+    slots, mask = torch.from_numpy(slots.ravel()), torch.from_numpy(mask)
+    if not cpu:
+        slots, mask = slots.to(dev), mask.to(dev)
+    return attention.TreeBatch(segments, pool, slots, index, P, mask, out)
