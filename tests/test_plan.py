@@ -18,7 +18,7 @@ from genback.core.inputs import ContextChecker
 from genback.query import NextToken, Prefill, Score
 from genback.runners.hf.cache.kv_pool import KVPool
 from genback.runners.hf.cache.kvtree import KVTree
-from genback.runners.hf.cache.nodes import common_prefix_length
+from genback.runners.hf.cache.nodes import Node, append_slots, common_prefix_length
 from genback.runners.hf.plan.batch import Path, group_paths, plan_batch, plan_step
 from genback.runners.hf.plan.budget import ForwardBudget
 from genback.query import Step
@@ -274,6 +274,29 @@ def test_compacted_tree_keeps_every_path_exact(ops, seed):
     assert sum(node.bytes for node in tree._nodes) == tree.bytes_held
     held = np.concatenate([node.slots for node in tree._nodes])
     assert len(set(held.tolist())) == len(held) == pool.in_use and 0 not in held
+
+
+def test_a_growing_leafs_slots_go_in_place_and_no_view_changes():
+    """``append_slots``: a leaf's slots grow in one buffer (no new one while it has room and
+    ``slots`` is still the view it made); a node whose ``slots`` were set otherwise (a split)
+    or a full buffer gets a new buffer; every view handed out earlier keeps its slots."""
+    node = Node(None, (1, 2), np.array([5, 6]), 2)
+    append_slots(node, np.array([7]), 8)
+    buf, first = node.spare[0], node.slots
+    assert len(buf) == 8 and first.tolist() == [5, 6, 7]
+    append_slots(node, np.array([8, 9]), 8)
+    assert node.spare[0] is buf and node.slots.base is buf  # (in place)
+    assert node.slots.tolist() == [5, 6, 7, 8, 9] and first.tolist() == [5, 6, 7]
+    upper, node.slots = node.slots[:2], node.slots[2:]  # a split
+    append_slots(node, np.array([10]), 8)
+    assert node.spare[0] is not buf and node.slots.tolist() == [7, 8, 9, 10]
+    assert upper.tolist() == [5, 6] and buf[:5].tolist() == [5, 6, 7, 8, 9]
+    buf = node.spare[0]
+    append_slots(node, np.arange(11, 15), 8)  # fills the buffer: 8 slots
+    assert node.spare[0] is buf and node.slots.tolist() == list(range(7, 15))
+    append_slots(node, np.array([15]), 8)  # no room: a new, larger buffer
+    assert node.spare[0] is not buf and node.slots.tolist() == list(range(7, 16))
+    assert buf.tolist() == list(range(7, 15))
 
 
 def test_match_by_parent_identity_agrees_with_a_walk_and_falls_back_when_stale():

@@ -36,7 +36,7 @@ from ....context import Context, flat
 from ....cpython import untrack_ids
 from .ends import Ends
 from .nodes import Node as _Node
-from .nodes import common_prefix_length, descend, prefix_segments
+from .nodes import append_slots, common_prefix_length, descend, prefix_segments
 from .recency import Candidates
 
 
@@ -190,8 +190,8 @@ class KVTree:
         return node
 
     # a leaf grows in place (extend) while its edge stays this short: an extension copies the
-    # edge's tuple and slot array, so a longer one gets a child instead (then compact merges
-    # geometrically)
+    # edge's tuple (its slots go into a buffer of this many, nodes.append_slots), so a longer
+    # one gets a child instead (then compact merges geometrically)
     EXTEND_MAX = 64
 
     def extend(self, node: _Node, tokens: tuple, slots: np.ndarray) -> bool:
@@ -210,7 +210,7 @@ class KVTree:
         # (not untracked: replaced at the leaf's next step; the collector untracks <= 64 ints)
         node.edge = (node.edge + (tokens[-1],) if n == 1
                      else node.edge + tuple(tokens[node.depth:]))
-        node.slots = np.concatenate((node.slots, slots))
+        append_slots(node, slots, self.EXTEND_MAX)
         node.depth += n  # (= len(tokens))
         added = n * self.token_bytes
         node.bytes += added

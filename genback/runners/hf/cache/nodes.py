@@ -10,16 +10,19 @@ edge, so the walks up find the node holding token ``cached - 1`` first.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class Node:
     """One node of the tree: ``edge`` a tuple of token ids (``()`` for a root), ``slots`` the
     pool slots of exactly those tokens (``int64 [len(edge)]``; None for a root and once
     removed), ``depth`` the tokens from the root to the end of its edge, ``refs`` the forwards
     holding it, ``pinned``, ``bytes`` of KV it holds, ``stamp`` the tick of its last use (see
-    :mod:`.kvtree`, "Recency")."""
+    :mod:`.kvtree`, "Recency"), ``spare`` the buffer a growing leaf's ``slots`` are a view of
+    (:func:`append_slots`)."""
 
     __slots__ = ("parent", "edge", "slots", "children", "refs", "pinned", "depth", "bytes",
-                 "stamp")
+                 "stamp", "spare")
 
     def __init__(self, parent, edge: tuple, slots, depth: int, token_bytes: int = 0):
         self.parent = parent
@@ -31,8 +34,26 @@ class Node:
         self.depth = depth  # tokens from the root to the end of this node's edge
         self.bytes = 0 if slots is None else len(slots) * token_bytes
         self.stamp = 0
+        self.spare = None  # (buffer, the view of it that slots was set to): append_slots
 
 
+def append_slots(node: Node, slots, capacity: int) -> None:
+    """Set ``node.slots`` to itself followed by ``slots`` (``int64``): written in place after
+    its end when ``node.slots`` is still the view of a buffer with room that the last call made
+    (a leaf growing a token a step: no concatenation, no allocation), else into a new buffer of
+    at least ``capacity`` slots. Nothing ever written is overwritten, so every earlier view of
+    the buffer (another node's after a split, a forward's segment) keeps its slots; a node whose
+    ``slots`` were set otherwise since (a split, a merge) gets a new buffer."""
+    old, n, k = node.slots, len(node.slots), len(slots)
+    spare = node.spare
+    if spare is not None and spare[1] is old and n + k <= len(spare[0]):
+        buf = spare[0]
+    else:
+        buf = np.empty(max(capacity, n + k), dtype=np.int64)
+        buf[:n] = old
+    buf[n:n + k] = slots
+    view = buf[:n + k]
+    node.slots, node.spare = view, (buf, view)
 def common_prefix_length(a, b, start: int = 0) -> int:
     """Length of the common prefix of sequences ``a`` and ``b``, given that it is at least
     ``start``: slice comparisons in C, halving the unresolved range (about ``2 * len`` element
