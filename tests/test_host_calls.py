@@ -38,9 +38,9 @@ ONE_PARTICLE_STEP = {"auto": 122, "eager": 144}
 ONE_PARTICLE_OPS = {"auto": 11, "eager": 22}
 
 
-class CallCounter:
-    """Counts calls of functions defined in genback's package while no model forward runs
-    (genback's attention functions, called by the model's layers, are the forward's work)."""
+class OutsideForward:
+    """What a counter counts only while no model forward runs: ``counting`` (set by the trace),
+    ``calls`` (the count) and the forward's hooks (removed by :meth:`remove_hooks`)."""
 
     def __init__(self, model):
         self.calls = 0
@@ -54,6 +54,15 @@ class CallCounter:
 
     def _leave(self, module, args, output):
         self._inside -= 1
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()
+
+
+class CallCounter(OutsideForward):
+    """Counts calls of functions defined in genback's package while no model forward runs
+    (genback's attention functions, called by the model's layers, are the forward's work)."""
 
     def _profile(self, frame, event, arg):
         if (event == "call" and self.counting and not self._inside
@@ -68,26 +77,15 @@ class CallCounter:
     def __exit__(self, *exc):
         sys.setprofile(None)
         threading.setprofile(None)
-        for h in self._hooks:
-            h.remove()
+        self.remove_hooks()
 
 
-class OpCounter(TorchDispatchMode):
+class OpCounter(OutsideForward, TorchDispatchMode):
     """Counts torch operators dispatched while no model forward runs."""
 
     def __init__(self, model):
-        super().__init__()
-        self.calls = 0
-        self.counting = False
-        self._inside = 0
-        self._hooks = [model.register_forward_pre_hook(self._enter),
-                       model.register_forward_hook(self._leave)]
-
-    def _enter(self, module, args):
-        self._inside += 1
-
-    def _leave(self, module, args, output):
-        self._inside -= 1
+        TorchDispatchMode.__init__(self)
+        OutsideForward.__init__(self, model)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.counting and not self._inside:
@@ -95,9 +93,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        return super().__exit__(*exc)
+        self.remove_hooks()
+        return TorchDispatchMode.__exit__(self, *exc)
 
 
 async def _smc_calls(model, tok, particles: int, decode: str, steps: int = 8,
