@@ -1,5 +1,6 @@
 """The pending state of :class:`genback.batcher.Batcher`: a pending query and its callers
-(:class:`Entry`), and one event loop's pending batch and dispatch state (:class:`LoopState`).
+(:class:`Entry`), one event loop's pending batch and dispatch state (:class:`LoopState`), and
+failing the callers of entries that cannot be answered.
 Guarded by the batcher's lock."""
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class LoopState:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.pending: dict[Hashable, Entry] = {}
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the window's end (Batcher._arm)
+        self.opened = 0.0  # loop.time() when the pending batch's first query joined
         self.window_expired = False
         self.busy = False
         self.callers = 0  # callers of the pending batch (a query asked twice counts twice)
@@ -50,3 +52,30 @@ class LoopState:
         """Whether the pending batch has as many callers as the larger of the last two had."""
         target = max(self.sizes)
         return target > 0 and self.callers >= target
+
+
+def fail_entries(entries: list[Entry], exc: BaseException) -> None:
+    """Fail every caller of ``entries`` that still waits with ``exc`` (on the loop's thread)."""
+    for entry in entries:
+        for f in entry.waiters:
+            if not f.done():
+                f.set_exception(exc)
+
+
+def fail_threadsafe(loop: asyncio.AbstractEventLoop, futures: list, exc: BaseException) -> None:
+    """Fail ``futures`` of ``loop`` that are not done with ``exc``, from any thread (at once on
+    ``loop``'s own thread, else through ``call_soon_threadsafe``; nothing once it is closed)."""
+
+    def fail():
+        for f in futures:
+            if not f.done():
+                f.set_exception(exc)
+
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fail()
+    elif not loop.is_closed():
+        loop.call_soon_threadsafe(fail)

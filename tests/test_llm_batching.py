@@ -271,6 +271,39 @@ async def test_fewer_callers_than_the_cohort_wait_for_the_window(tiny_hf, gpt2_t
         await lm.aclose()
 
 
+async def test_a_lockstep_cohort_arms_no_window_timer_and_a_short_one_still_goes(
+        tiny_hf, gpt2_tok):
+    """A batch that goes because its cohort is in makes no window timer at all (the loop's
+    ``call_at`` is never asked for the batcher's window); a batch short of its cohort arms
+    one when the cohort check declines, and goes when it fires (no flush)."""
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05)
+    loop = asyncio.get_running_loop()
+    windows, call_at = [], loop.call_at
+
+    def counting_call_at(when, callback, *args, **kwargs):
+        if getattr(callback, "__name__", "") == "_on_window":
+            windows.append(when)
+        return call_at(when, callback, *args, **kwargs)
+
+    loop.call_at = counting_call_at
+    try:
+        particles = await _cohort_of(lm, 8)  # (the loop's first batch: no cohort yet, a timer)
+        assert len(windows) == 1
+        windows.clear()
+        lm.batch_window = 0.05
+        for step in range(4):
+            particles = [p + [10 + step] for p in particles]
+            await asyncio.gather(*(lm.next_token_logprobs(p) for p in particles))
+        assert windows == []
+        batches = lm.cache_info()["batches"]
+        tasks = [asyncio.ensure_future(lm.next_token_logprobs(p + [5])) for p in particles[:4]]
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)  # (its window fires; no flush)
+        assert len(windows) == 1 and lm.cache_info()["batches"] == batches + 1
+    finally:
+        del loop.call_at
+        await lm.aclose()
+
+
 async def test_loop_keeps_serving_while_the_model_computes(tiny_hf, gpt2_tok):
     """While a forward is in progress, coroutines on the loop keep running: the forward is held
     until a coroutine on the loop has seen it start (a forward on the loop thread would never
