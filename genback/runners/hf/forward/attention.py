@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -115,13 +114,19 @@ class TreeBatch:
         return kv[0], kv[1]
 
 
-@contextmanager
-def active(batch: TreeBatch):
-    """Make ``batch`` the tree batch of forwards on this thread while the block runs."""
-    _local.batch = batch
-    try:
-        yield
-    finally:
+class active:
+    """Make ``batch`` the tree batch of forwards on this thread while the ``with`` block runs
+    (a class, not a generator: two calls a forward, not six)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: TreeBatch):
+        self.batch = batch
+
+    def __enter__(self):
+        _local.batch = self.batch
+
+    def __exit__(self, *exc) -> None:
         _local.batch = None
 
 

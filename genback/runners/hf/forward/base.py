@@ -89,4 +89,6 @@ def new_slots(pool: KVPool, n_new: list[int], m: int) -> np.ndarray:
 def split_new_slots(n_new: list[int], slots: np.ndarray) -> list[np.ndarray]:
     """Each path's new slots ``int64 [n_new]`` (rows of ``slots`` ``[R, m]`` without padding)."""
     m = slots.shape[1]
+    if m == 1:  # (a decode step: every row is one slot; its rows listed in C)
+        return list(slots)
     return [row if n == m else row[:n] for row, n in zip(slots, n_new)]
