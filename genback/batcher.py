@@ -192,7 +192,7 @@ class Batcher:
 
     def _arm(self, state: LoopState) -> None:
         """Start the pending batch's window timer (it ends ``window`` after the batch's first
-        query, :attr:`LoopState.opened`) unless it runs or the window is over. Armed when no
+        query, ``LoopState.opened``) unless it runs or the window is over. Armed when no
         cohort check is queued, or when one found the cohort not in: a batch that goes because
         its cohort is in (a lockstep step) never makes a timer (``call_at`` and ``cancel``:
         ~1.5 % of a 16-particle step's host time, ``bench_host.py``). Under the lock, on the
