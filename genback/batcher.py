@@ -44,8 +44,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
-from .pending import Entry, LoopState, live_entries
-from .pending import fail_entries as _fail, fail_threadsafe as _fail_threadsafe
+from .pending import Entry, LoopState, fail_entries, fail_threadsafe, live_entries
 from .query_group import Member, QueryGroup
 from .query_future import QueryFuture
 
@@ -224,7 +223,7 @@ class Batcher:
                 taken.append((state, [f for e in entries for f in e.waiters]))
         for state, futures in taken:
             failed += sum(not f.done() for f in futures)
-            _fail_threadsafe(state.loop, futures, exc)
+            fail_threadsafe(state.loop, futures, exc)
         return failed
 
     def pending(self, loop: asyncio.AbstractEventLoop) -> list:
@@ -302,7 +301,7 @@ class Batcher:
             self._executor.submit(self._work, state, batch)
         except RuntimeError as exc:  # executor shut down
             state.busy = False
-            _fail(batch, BatcherClosed(str(exc)))
+            fail_entries(batch, BatcherClosed(str(exc)))
 
     def _outcome(self, batch: list[Entry]) -> tuple:
         """``(results, None)`` of computing ``batch``, or ``(None, error)``: what it raised, which
@@ -355,10 +354,10 @@ class Batcher:
 
     def _finish(self, state: LoopState, batch: list[Entry], results, exc) -> None:
         if exc is not None:
-            _fail(batch, exc)
+            fail_entries(batch, exc)
         else:
             if len(results) != len(batch):
-                _fail(batch, RuntimeError(
+                fail_entries(batch, RuntimeError(
                     f"batch computation returned {len(results)} results for {len(batch)} queries"
                 ))
             else:
