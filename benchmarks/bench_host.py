@@ -64,6 +64,13 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   costs this client at least (futures, ``gather``'s callbacks, wake-ups);
 - ``own/q`` = caller/q + worker/q - asyncio/q: genback's own host work per query, the front on
   the caller's thread and the worker outside the forward (issue 31's "<= 15 µs" target);
+- ``loop host/step ms`` and ``host vs loop``: the same trace shape served by a hand-written
+  async step over plain transformers (:mod:`host_loop`: per-particle ``DynamicCache`` rows, one
+  forward, ``log_softmax``, the futures; no checks, no KV tree, no output cache, no copies;
+  resampling reorders its cache), timed with the same clocks right after genback's cell: its
+  host time per step, and genback's host/q over the loop's (the host floor the targets compare
+  with; not run where the loop's KV would pass ``host_loop.MAX_LOOP_KV_BYTES``, or with
+  ``--no-loop``);
 - ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
   ``err``: max abs difference between the last step's rows of two particles and an uncached fp32
   forward of their contexts.
@@ -97,11 +104,16 @@ import asyncio
 import gc
 import importlib
 import statistics
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its sibling, run from anywhere)
+import host_loop
 
 TEXT_MODULES = ["json", "argparse", "asyncio", "collections", "functools", "itertools", "pathlib",
                 "subprocess", "threading", "unittest", "logging", "email", "decimal", "fractions",
@@ -370,29 +382,38 @@ async def asyncio_floor(n: int, steps: int) -> float:
     return spent * 1e6 / (n * steps)
 
 
-def smc_advance(parts: list[list[int]], rows, *, resample: bool, gen) -> list[list[int]]:
-    """The trace's sampler between two steps: each particle samples its next token from its row
-    (``gen``, seeded) and, when ``resample``, the particles are resampled (multinomial on the
-    sampled tokens' log-probs, with replacement). Returns the new contexts (new lists)."""
+def smc_choice(rows, resample: bool, gen) -> tuple[list[int], list[int] | None]:
+    """The trace's sampler between two steps: each particle's next token sampled from its row
+    (``gen``, seeded) and, when ``resample``, the indices of the resampled particles
+    (multinomial on the sampled tokens' log-probs, with replacement; else None)."""
     lps = torch.stack(rows)
     nxt = torch.multinomial(lps.exp(), 1, generator=gen)[:, 0]
-    logw = lps.gather(1, nxt[:, None])[:, 0]
-    parts = [p + [int(t)] for p, t in zip(parts, nxt)]
+    order = None
     if resample:
-        idx = torch.multinomial(torch.softmax(logw, 0), len(parts), replacement=True,
-                                generator=gen)
-        parts = [parts[i] for i in idx.tolist()]
-    return parts
+        logw = lps.gather(1, nxt[:, None])[:, 0]
+        order = torch.multinomial(torch.softmax(logw, 0), len(rows), replacement=True,
+                                  generator=gen).tolist()
+    return nxt.tolist(), order
+
+
+def smc_advance(parts: list[list[int]], rows, *, resample: bool, gen) -> list[list[int]]:
+    """The particles' new contexts (new lists) after :func:`smc_choice`."""
+    nxt, order = smc_choice(rows, resample, gen)
+    parts = [p + [t] for p, t in zip(parts, nxt)]
+    return parts if order is None else [parts[i] for i in order]
 
 
 async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int = 2,
                    resample: int = 3, seed: int = 0, check: int = 2, lm_kwargs=None,
                    caller_gc_inside: bool = False, api: str = "gather",
-                   worker: bool = False) -> dict:
+                   worker: bool = False, loop: bool = True) -> dict:
     """One cell of part 1 on a fresh ``AsyncTransformer``; returns the per-query numbers, plus
     ``answered`` (rows returned by measured steps), ``rows_ok`` (each row a log-normalised
     vector of the logit width), ``err`` and ``info`` (``cache_info()`` at the end).
-    ``worker``: every batch on the batcher's worker thread (its ``inline_cohort`` off)."""
+    ``worker``: every batch on the batcher's worker thread (its ``inline_cohort`` off).
+    ``loop``: then the same trace through the hand-written loop (:mod:`host_loop`), its numbers
+    as ``loop`` (None when not run, or when its KV would pass
+    :data:`host_loop.MAX_LOOP_KV_BYTES`)."""
     from genback.llm import AsyncTransformer
 
     lm = AsyncTransformer(model, tok, **(lm_kwargs or {}))
@@ -435,7 +456,16 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     distinct = len({tuple(p) for p in parts})
     floor = await asyncio_floor(n, steps)
     per = clock.per_query()
-    return dict(per, floor=floor, own=per["caller"] + per["worker"] - floor,
+    hand = None
+    if loop and host_loop.kv_bytes(model, n, context) <= host_loop.MAX_LOOP_KV_BYTES:
+        timer = ForwardTimer(model)
+        try:
+            hand = await host_loop.loop_cell(
+                model, text_ids(tok, context), n, steps=steps, warmup=warmup,
+                resample=resample, seed=seed, timer=timer, choose=smc_choice)
+        finally:
+            timer.remove()
+    return dict(per, floor=floor, own=per["caller"] + per["worker"] - floor, loop=hand,
                 n=n, context=context, steps=steps, answered=answered,
                 ctx_gc=ctx_gc * 1e6 / max(clock.t["queries"], 1),
                 rows_ok=rows_ok, err=err, info=info, distinct_last=distinct)
@@ -478,7 +508,7 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | host/step ms | "
           "caller/q µs | "
           "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | asyncio/q µs | "
-          "own/q µs | host % | fwd/step | err |")
+          "own/q µs | host % | fwd/step | err | loop host/step ms | host vs loop |")
 
 
 def row_md(model: str, r: dict) -> str:
@@ -488,7 +518,15 @@ def row_md(model: str, r: dict) -> str:
             f"{r['gc']:.0f} | {r['ctx_gc']:.0f} | "
             f"{r['other']:.0f} | {r['idle']:.0f} | {r['floor']:.0f} | {r['own']:.0f} | "
             f"{100 * r['share']:.0f} | "
-            f"{r['fwd_per_step']:.1f} | {r['err']:.1e} |")
+            f"{r['fwd_per_step']:.1f} | {r['err']:.1e} | {_vs_loop(r)} |")
+
+
+def _vs_loop(r: dict) -> str:
+    """The two loop columns: the hand-written loop's host/step and genback's host over it."""
+    hand = r.get("loop")
+    if not hand:
+        return "— | —"
+    return f"{hand['host'] * r['n'] / 1e3:.2f} | {r['host'] / hand['host']:.1f}x"
 
 
 def compare_md(pairs, labels: str = "inline / worker") -> str:
@@ -529,6 +567,8 @@ def parse(argv=None):
     p.add_argument("--caller-gc-inside", action="store_true",
                    help="do not collect the caller's new context lists between steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-loop", action="store_true",
+                   help="skip the hand-written loop (host_loop.py) run after each cell")
     p.add_argument("--decode", default="auto", choices=["auto", "graphs", "eager", "off"],
                    help="AsyncTransformer's decode mode (default auto: the tree path on the CPU)")
     p.add_argument("--api", default="gather", choices=["gather", "coroutine", "batch", "context"],
@@ -589,7 +629,8 @@ def main(argv=None) -> dict:
                         resample=args.resample, seed=args.seed,
                         caller_gc_inside=args.caller_gc_inside,
                         api=other if alt and other in ("coroutine", "context") else args.api,
-                        worker=alt and other == "worker", lm_kwargs={"decode": args.decode}))
+                        worker=alt and other == "worker", lm_kwargs={"decode": args.decode},
+                        loop=not args.no_loop))
                     (results.setdefault(other, []) if alt else results["smc"]).append(r)
                     runs[alt].append(r)
                     print(row_md(args.model + (f"/{other}" if alt else ""), r), flush=True)

@@ -53,6 +53,9 @@ def test_quick_run_answers_every_query(bench, capsys):
                    for k in ("wall", "fwd", "host", "caller", "worker", "floor", "own"))
         assert r["floor"] > 0 and r["own"] == r["caller"] + r["worker"] - r["floor"]
         assert r["info"]["queries"] >= r["queries"]
+        hand = r["loop"]  # the hand-written loop on the same trace shape: exact, and timed
+        assert hand is not None and hand["err"] <= 1e-5
+        assert math.isfinite(hand["host"]) and hand["fwd"] > 0
     nested = results["nested"]
     assert nested["rows"] == (args.nested_len, 512)
     assert nested["score"]["forwards"] == 1
