@@ -68,9 +68,11 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   async step over plain transformers (:mod:`host_loop`: per-particle ``DynamicCache`` rows, one
   forward, ``log_softmax``, the futures; no checks, no KV tree, no output cache, no copies;
   resampling reorders its cache), timed with the same clocks right after genback's cell: its
-  host time per step, and genback's host/q over the loop's (the host floor the targets compare
-  with; not run where the loop's KV would pass ``host_loop.MAX_LOOP_KV_BYTES``, or with
-  ``--no-loop``);
+  host time per step (in brackets the part that reordered its cache, every ``--resample``
+  steps: what a loop without a prefix tree pays to resample, which grows with the context),
+  and genback's host/q over the loop's (in brackets over the loop's without its reordering:
+  the bare step, the host floor of any step; not run where the loop's KV would pass
+  ``host_loop.MAX_LOOP_KV_BYTES``, or with ``--no-loop``);
 - ``host %``: host/q over wall/q; ``fwd/step``: model forwards per step (``cache_info()["forwards"]``);
   ``err``: max abs difference between the last step's rows of two particles and an uncached fp32
   forward of their contexts.
@@ -508,7 +510,7 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | host/step ms | "
           "caller/q µs | "
           "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | asyncio/q µs | "
-          "own/q µs | host % | fwd/step | err | loop host/step ms | host vs loop |")
+          "own/q µs | host % | fwd/step | err | loop host/step ms (reorder) | host vs loop (bare) |")
 
 
 def row_md(model: str, r: dict) -> str:
@@ -522,11 +524,14 @@ def row_md(model: str, r: dict) -> str:
 
 
 def _vs_loop(r: dict) -> str:
-    """The two loop columns: the hand-written loop's host/step and genback's host over it."""
+    """The two loop columns: the hand-written loop's host/step (its reordering's part), and
+    genback's host over it (over its bare step's)."""
     hand = r.get("loop")
     if not hand:
         return "— | —"
-    return f"{hand['host'] * r['n'] / 1e3:.2f} | {r['host'] / hand['host']:.1f}x"
+    per_step = r["n"] / 1e3
+    return (f"{hand['host'] * per_step:.2f} ({hand['reorder'] * per_step:.2f}) | "
+            f"{r['host'] / hand['host']:.1f}x ({r['host'] / (hand['host'] - hand['reorder']):.1f}x)")
 
 
 def compare_md(pairs, labels: str = "inline / worker") -> str:
