@@ -42,9 +42,10 @@ async def loop_cell(model, prompt: list[int], n: int, *, steps: int, warmup: int
     """The hand-written loop's cell: ``n`` particles from ``prompt``, ``warmup`` steps then
     ``steps`` measured ones, resampling every ``resample`` steps; ``choose(rows, resample, gen)``
     is the trace's sampler (``bench_host.smc_choice``: each particle's next token, and the
-    resampled particles' indices or None). Returns ``wall``, ``fwd`` and ``host`` in µs per
-    query, ``reorder`` (the part of ``host`` that reordered the cache), and ``err``: max abs difference of two particles' last rows from an uncached
-    forward."""
+    resampled particles' indices or None); ``timer`` a ``bench_host.ForwardTimer`` on
+    ``model``. Returns ``wall``, ``fwd`` and ``host`` in µs per query, ``reorder`` (the part of
+    ``host`` that reordered the cache) and ``err``: the max abs difference of two particles'
+    last rows from an uncached forward."""
     loop = asyncio.get_running_loop()
     gen = torch.Generator().manual_seed(seed)
     wall = fwd = reorder = 0.0
