@@ -510,7 +510,8 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | host/step ms | "
           "caller/q µs | "
           "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | asyncio/q µs | "
-          "own/q µs | host % | fwd/step | err | loop host/step ms (reorder) | host vs loop (bare) |")
+          "own/q µs | host % | fwd/step | err | loop host/step ms (reorder) | "
+          "host vs loop (bare) |")
 
 
 def row_md(model: str, r: dict) -> str:
@@ -531,7 +532,8 @@ def _vs_loop(r: dict) -> str:
         return "— | —"
     per_step = r["n"] / 1e3
     return (f"{hand['host'] * per_step:.2f} ({hand['reorder'] * per_step:.2f}) | "
-            f"{r['host'] / hand['host']:.1f}x ({r['host'] / (hand['host'] - hand['reorder']):.1f}x)")
+            f"{r['host'] / hand['host']:.1f}x "
+            f"({r['host'] / (hand['host'] - hand['reorder']):.1f}x)")
 
 
 def compare_md(pairs, labels: str = "inline / worker") -> str:
