@@ -464,7 +464,8 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
         try:
             hand = await host_loop.loop_cell(
                 model, text_ids(tok, context), n, steps=steps, warmup=warmup,
-                resample=resample, seed=seed, timer=timer, choose=smc_choice)
+                resample=resample, seed=seed, timer=timer, choose=smc_choice,
+                reference=reference_rows)
         finally:
             timer.remove()
     return dict(per, floor=floor, own=per["caller"] + per["worker"] - floor, loop=hand,

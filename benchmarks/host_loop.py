@@ -38,14 +38,15 @@ def kv_bytes(model, n: int, context: int) -> int:
 
 
 async def loop_cell(model, prompt: list[int], n: int, *, steps: int, warmup: int, resample: int,
-                    seed: int, timer, choose) -> dict:
+                    seed: int, timer, choose, reference) -> dict:
     """The hand-written loop's cell: ``n`` particles from ``prompt``, ``warmup`` steps then
     ``steps`` measured ones, resampling every ``resample`` steps; ``choose(rows, resample, gen)``
     is the trace's sampler (``bench_host.smc_choice``: each particle's next token, and the
     resampled particles' indices or None); ``timer`` a ``bench_host.ForwardTimer`` on
-    ``model``. Returns ``wall``, ``fwd`` and ``host`` in µs per query, ``reorder`` (the part of
-    ``host`` that reordered the cache) and ``err``: the max abs difference of two particles'
-    last rows from an uncached forward."""
+    ``model``; ``reference(model, contexts)`` the uncached rows (``bench_host.reference_rows``).
+    Returns ``wall``, ``fwd`` and ``host`` in µs per query, ``reorder`` (the part of ``host``
+    that reordered the cache) and ``err``: the max abs difference of two particles' last rows
+    from ``reference``'s."""
     loop = asyncio.get_running_loop()
     gen = torch.Generator().manual_seed(seed)
     wall = fwd = reorder = 0.0
@@ -78,8 +79,7 @@ async def loop_cell(model, prompt: list[int], n: int, *, steps: int, warmup: int
                 wall += time.perf_counter() - t0
                 fwd += timer.wall - f0
                 reorder += r1
-        refs = [torch.log_softmax(model(torch.tensor([parts[i]])).logits[0, -1].float(), -1)
-                for i in (0, n - 1)]
+    refs = reference(model, [parts[0], parts[n - 1]])
     err = max(float((rows[i] - ref).abs().max()) for i, ref in zip((0, n - 1), refs))
     us = 1e6 / (n * steps)
     return {"wall": wall * us, "fwd": fwd * us, "host": (wall - fwd) * us,
