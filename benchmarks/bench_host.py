@@ -13,11 +13,12 @@ serves an SMC-shaped trace through the public API only:
 
 Models: ``tiny`` is a random-weight ``LlamaForCausalLM`` (2 layers, hidden 64, 4 heads, 2 KV heads,
 ``max_position_embeddings`` 16,384) over a byte-level BPE vocabulary of ``--vocab`` (512) tokens that
-this script trains with the ``tokenizers`` library on standard-library docstrings (deterministic for a
+``tiny_lm.py`` trains with the ``tokenizers`` library on standard-library docstrings (deterministic for a
 Python version, offline), so the forward, the log-softmax and the row copies cost little and what is
 left is host work. ``smollm2`` is SmolLM2-135M-Instruct in fp32 (its forward dominates).
 
-What is measured, per measured step (all clocks are read on the caller's thread, except the two hooks):
+What is measured, per measured step (``host_clocks.py``; all clocks are read on the caller's thread,
+except the two hooks):
 
 - ``wall``: ``time.perf_counter()`` around the ``gather`` (submit of the first query to resolution of
   the last future).
@@ -104,23 +105,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib
 import statistics
 import sys
-import threading
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its sibling, run from anywhere)
-import host_loop
+import host_loop  # noqa: E402
+from host_clocks import ForwardTimer, GcClock, StepClock, ask  # noqa: E402,F401
+from tiny_lm import corpus, load, smollm2, text_ids, tiny_model, tiny_tokenizer  # noqa: E402,F401
 
-TEXT_MODULES = ["json", "argparse", "asyncio", "collections", "functools", "itertools", "pathlib",
-                "subprocess", "threading", "unittest", "logging", "email", "decimal", "fractions",
-                "zipfile", "tarfile", "csv", "textwrap", "difflib", "heapq", "bisect", "statistics",
-                "calendar", "datetime", "random", "string", "codecs", "pickle", "shutil", "socket"]
 DEFAULT_GRID = {"tiny": ([16, 256, 1024], [100, 1000, 4000, 16000]),
                 "smollm2": ([16, 256], [100, 1000, 4000])}
 # measured steps by default: SmolLM2 runs 24, so that 256 particles fill the output cache (4,096
@@ -129,222 +125,7 @@ DEFAULT_GRID = {"tiny": ([16, 256, 1024], [100, 1000, 4000, 16000]),
 DEFAULT_STEPS = {"tiny": 8, "smollm2": 24}
 
 
-def corpus(min_chars: int = 150_000) -> str:
-    """Prose from the standard library's docstrings (module docs, then their members' in name order),
-    whitespace-normalised; deterministic for a Python version and available offline."""
-    parts, total = [], 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mods = [importlib.import_module(m) for m in TEXT_MODULES]
-        docs = [m.__doc__ for m in mods] + [getattr(v, "__doc__", None) for m in mods
-                                             for _, v in sorted(vars(m).items())]
-    for doc in docs:
-        if isinstance(doc, str) and doc.strip():
-            text = " ".join(doc.split())
-            parts.append(text)
-            total += len(text) + 1
-            if total >= min_chars:
-                break
-    return " ".join(parts)
-
-
-def tiny_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE of ``vocab_size`` tokens trained on :func:`corpus`, as a transformers
-    ``PreTrainedTokenizerFast`` (eos ``<|endoftext|>``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    text = corpus()
-    tok.train_from_iterator([text[i:i + 2000] for i in range(0, len(text), 2000)], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
-def tiny_model(vocab_size: int, max_positions: int = 16_384, seed: int = 0):
-    """A random 2-layer Llama (hidden 64), fp32, whose forward costs little."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions, eos_token_id=0, bos_token_id=0,
-                         pad_token_id=0, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
-
-
-def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from genback.registry import resolve
-
-    path = resolve("smollm2-135m")
-    return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(path))
-
-
-def load(name: str, vocab: int = 512):
-    """``(model, tokenizer)`` for ``tiny`` or ``smollm2``."""
-    if name == "tiny":
-        tok = tiny_tokenizer(vocab)
-        return tiny_model(len(tok)), tok
-    return smollm2()
-
-
-def text_ids(tokenizer, n: int) -> list[int]:
-    """``n`` token ids of :func:`corpus` (repeated if it is too short)."""
-    ids = tokenizer.encode(corpus(), add_special_tokens=False)
-    return (ids * (n // len(ids) + 1))[:n]
-
-
-# -- clocks -----------------------------------------------------------------------------------
-
-class ForwardTimer:
-    """Times the model's ``forward`` with a pre-hook and a hook on the top-level module: wall
-    (``perf_counter``) and CPU (``thread_time`` of the thread that runs it), and which threads."""
-
-    def __init__(self, model):
-        self.wall = self.cpu = 0.0
-        self.calls = 0
-        self.threads: set[int] = set()
-        self.cpu_by_thread: dict[int, float] = {}  # forward CPU by the thread that ran it
-        self._start = threading.local()
-        self._handles = [model.register_forward_pre_hook(self._pre),
-                         model.register_forward_hook(self._post)]
-
-    def _pre(self, module, args):
-        self._start.t = (time.perf_counter(), time.thread_time())
-
-    def _post(self, module, args, output):
-        wall, cpu = self._start.t
-        self.wall += time.perf_counter() - wall
-        cpu = time.thread_time() - cpu
-        self.cpu += cpu
-        self.calls += 1
-        me = threading.get_ident()
-        self.threads.add(me)
-        self.cpu_by_thread[me] = self.cpu_by_thread.get(me, 0.0) + cpu
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-
-
-class GcClock:
-    """Wall time spent in Python's cyclic garbage collections (``gc.callbacks``), whichever
-    thread runs them (a collection holds the interpreter, so they never overlap)."""
-
-    def __init__(self):
-        self.total = 0.0
-        self.collections = 0
-        self._t = None
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase, info):
-        if phase == "start":
-            self._t = time.perf_counter()
-        elif self._t is not None:
-            self.total += time.perf_counter() - self._t
-            self.collections += 1
-            self._t = None
-
-    def remove(self):
-        gc.callbacks.remove(self._callback)
-
-
-def _thread_cpu() -> dict[int, float]:
-    """CPU seconds of every live thread but the caller's, by ``threading.get_ident()``."""
-    out = {}
-    me = threading.get_ident()
-    for t in threading.enumerate():
-        if t.ident is None or t.ident == me:
-            continue
-        try:
-            out[t.ident] = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-        except (OSError, ValueError, OverflowError):
-            pass
-    return out
-
-
-class StepClock:
-    """Accumulates the clocks of the measured steps (see the module docstring)."""
-
-    FIELDS = ("wall", "fwd_wall", "fwd_cpu", "fwd_caller", "caller", "worker", "process",
-              "forwards", "queries", "steps", "gc")
-
-    def __init__(self, timer: ForwardTimer, lm, gc_clock: GcClock | None = None,
-                 api: str = "gather"):
-        self.timer, self.lm = timer, lm
-        self.gc = gc_clock
-        self.api = api
-        self.t = dict.fromkeys(self.FIELDS, 0.0)
-
-    async def step(self, contexts):
-        timer, lm = self.timer, self.lm
-        f0, fw0, fc0 = lm.cache_info()["forwards"], timer.wall, timer.cpu
-        me = threading.get_ident()
-        fm0 = timer.cpu_by_thread.get(me, 0.0)  # (a step run on the loop's own thread)
-        threads0 = _thread_cpu()
-        g0 = self.gc.total if self.gc else 0.0
-        p0, c0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
-        rows = await ask(lm, contexts, self.api)
-        w1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
-        threads1 = _thread_cpu()
-        t = self.t
-        t["wall"] += w1 - w0
-        t["caller"] += c1 - c0
-        t["process"] += p1 - p0
-        t["fwd_wall"] += timer.wall - fw0
-        t["fwd_cpu"] += timer.cpu - fc0
-        t["fwd_caller"] += timer.cpu_by_thread.get(me, 0.0) - fm0
-        t["worker"] += sum(threads1[i] - threads0.get(i, 0.0) for i in threads1
-                           if i in timer.threads)
-        t["forwards"] += lm.cache_info()["forwards"] - f0
-        t["queries"] += len(contexts)
-        t["steps"] += 1
-        t["gc"] += (self.gc.total if self.gc else 0.0) - g0
-        return rows
-
-    def per_query(self) -> dict:
-        t, q = self.t, max(self.t["queries"], 1)
-        us = 1e6 / q
-        host = t["wall"] - t["fwd_wall"]
-        # forwards run on the worker thread, or on the caller's (a batch run inline: see
-        # genback.batcher): each thread's CPU outside them
-        caller = t["caller"] - t["fwd_caller"]
-        worker = t["worker"] - (t["fwd_cpu"] - t["fwd_caller"])
-        other = t["process"] - t["caller"] - t["worker"]
-        return dict(wall=t["wall"] * us, fwd=t["fwd_wall"] * us, host=host * us,
-                    caller=caller * us, worker=worker * us, other=other * us,
-                    idle=(host - caller - worker - other) * us,
-                    share=host / t["wall"] if t["wall"] else 0.0, gc=t["gc"] * us,
-                    fwd_per_step=t["forwards"] / max(t["steps"], 1), queries=int(t["queries"]))
-
-
 # -- part 1: SMC steps -------------------------------------------------------------------------
-
-async def ask(lm, contexts, api: str = "gather"):
-    """One step's rows: ``gather`` of one ``next_token_logprobs`` per context (what llamppl's
-    particles do; ``coroutine``: each wrapped in a coroutine of its own; ``context``: the
-    contexts are ``lm.context`` objects, asked alike), or one
-    ``batch_next_token_logprobs`` call (genlm-control's ``PromptedLLM``; its ``[N, V]`` tensor,
-    unbound into rows for the trace)."""
-    if api == "batch":
-        return (await lm.batch_next_token_logprobs(contexts)).unbind(0)
-    if api == "coroutine":
-        return await asyncio.gather(*(_awaited(lm.next_token_logprobs(c)) for c in contexts))
-    return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-
-
-async def _awaited(awaitable):
-    """``--api coroutine``: a query wrapped in a coroutine of its own (a task each in a gather:
-    what every query cost while ``next_token_logprobs`` was a coroutine function)."""
-    return await awaitable
-
 
 def reference_rows(model, contexts) -> list[torch.Tensor]:
     """Uncached fp32 next-token log-prob rows of ``contexts`` (one forward each)."""
