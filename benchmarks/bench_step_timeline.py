@@ -18,6 +18,15 @@ sampling its next token, resampling every 3 steps), median over the measured ste
 - ``finish -> caller``: until the caller's ``gather`` returns (its tasks woken, in turn);
 - ``host``: the step's wall time minus the forward's.
 
+and the compute step's own parts (summed over the step's calls of each; ``compute`` holds them):
+
+- ``plan``: the runner's plan of the step (``plan_step``; its general plan is not timed);
+- ``fwd host``: the forward's host work outside the model (the tree forward or the decode step,
+  minus ``fwd``): the inputs, the attention layout, the logits' rows;
+- ``commit``: the new KV put into the KV tree and the contexts' ends noted; ``evict``: the
+  tree's compaction and eviction after the batch;
+- ``store``: the rows kept in the output cache; ``copies``: the callers' own copies.
+
 The clocks are read by wrapping genback's private hand-off points (the worker pool's ``submit``,
 ``Batcher._run_inline``, ``Front._compute_owned``, ``Batcher._finish``): a measurement tool, not
 an API.
@@ -44,6 +53,7 @@ import bench_host as bh  # noqa: E402
 
 PHASES = ("caller -> dispatch", "dispatch -> compute", "compute", "fwd", "compute -> finish",
           "finish", "finish -> caller", "host")
+PARTS = ("plan", "fwd host", "commit", "evict", "store", "copies")
 
 
 class Clocks:
@@ -53,13 +63,26 @@ class Clocks:
         from genback import batcher
         from genback.core import front
 
+        from genback.runners.hf import runner
+        from genback.runners.hf.decode.step import DecodeStep
+        from genback.runners.hf.forward.tree import TreeForward
+
         self.t: dict[str, float] = {}
-        self.saved = [(concurrent.futures.ThreadPoolExecutor, "submit"),
-                      (batcher.Batcher, "_run_inline"), (front.Front, "_compute_owned"),
-                      (batcher.Batcher, "_finish")]
-        self.saved = [(cls, name, getattr(cls, name)) for cls, name in self.saved]
-        for cls, name, fn in self.saved:
-            setattr(cls, name, self._wrap(fn, name))
+        self.parts = dict.fromkeys(PARTS, 0.0)  # (seconds this step, summed over calls)
+        points = [(concurrent.futures.ThreadPoolExecutor, "submit"),
+                  (batcher.Batcher, "_run_inline"), (front.Front, "_compute_owned"),
+                  (batcher.Batcher, "_finish")]
+        parts = [(runner, "plan_step", "plan"), (TreeForward, "run", "fwd host"),
+                 (DecodeStep, "run", "fwd host"), (runner.HFRunner, "_commit", "commit"),
+                 (runner.HFRunner, "_commit_step", "commit"),
+                 (runner.HFRunner, "_evict", "evict"), (front.Front, "_store", "store"),
+                 (front, "owned_copies", "copies")]
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name in points] + [
+            (owner, name, getattr(owner, name)) for owner, name, _ in parts]
+        for owner, name in points:
+            setattr(owner, name, self._wrap(getattr(owner, name), name))
+        for owner, name, part in parts:
+            setattr(owner, name, self._summed(getattr(owner, name), part))
 
     def _wrap(self, fn, name):
         t = self.t
@@ -72,9 +95,20 @@ class Clocks:
                 t[name + "1"] = time.perf_counter()
         return timed
 
+    def _summed(self, fn, part):
+        parts = self.parts
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts[part] += time.perf_counter() - t0
+        return timed
+
     def remove(self):
-        for cls, name, fn in self.saved:
-            setattr(cls, name, fn)
+        for owner, name, fn in reversed(self.saved):
+            setattr(owner, name, fn)
 
 
 async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int = 0,
@@ -86,12 +120,13 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
     lm.scheduler.inline_cohort = not worker
     gen = torch.Generator().manual_seed(seed)
     parts = [bh.text_ids(tok, context)] * n
-    times = {p: [] for p in PHASES}
-    t = clocks.t
+    times = {p: [] for p in PHASES + PARTS}
+    t, summed = clocks.t, clocks.parts
     try:
         for step in range(steps + 3):
             fwd0 = timer.wall
             t.clear()
+            summed.update(dict.fromkeys(PARTS, 0.0))
             t0 = time.perf_counter()
             rows = await bh.ask(lm, parts, api)
             t1 = time.perf_counter()
@@ -106,7 +141,9 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
                         ("compute -> finish", t["_finish0"] - t["_compute_owned1"]),
                         ("finish", t["_finish1"] - t["_finish0"]),
                         ("finish -> caller", t1 - t["_finish1"]),
-                        ("host", t1 - t0 - fwd)):
+                        ("host", t1 - t0 - fwd),
+                        *((part, summed[part] - (fwd if part == "fwd host" else 0.0))
+                          for part in PARTS)):
                     times[name].append(value * 1e6)
             parts = bh.smc_advance(parts, rows, resample=(step + 1) % 3 == 0, gen=gen)
             gc.collect(1)
@@ -130,13 +167,15 @@ def main(argv=None) -> list[dict]:
     model, tok = bh.load("tiny")
     print(f"tiny model, context {args.context}, {args.steps} steps, api {args.api}"
           f"{', every batch on the worker' if args.worker else ''}; median µs per step\n")
-    print("| particles | " + " | ".join(PHASES) + " |\n" + "|---" * (len(PHASES) + 1) + "|")
+    print("| particles | " + " | ".join(PHASES + PARTS) + " |\n"
+          + "|---" * (len(PHASES + PARTS) + 1) + "|")
     out = []
     for n in args.particles:
         r = asyncio.run(cell(model, tok, n, args.context, args.steps, args.api,
                              worker=args.worker))
         out.append(dict(r, particles=n))
-        print(f"| {n} | " + " | ".join(f"{r[name]:.0f}" for name in PHASES) + " |", flush=True)
+        print(f"| {n} | " + " | ".join(f"{r[name]:.0f}" for name in PHASES + PARTS) + " |",
+              flush=True)
     return out
 
 

@@ -173,6 +173,13 @@ def exact_ints(ids: tuple, name: str = "token_ids") -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
+def last_ids(contexts) -> list[int]:
+    """Each context's last id (tuples and :class:`Context` objects, none empty), in one
+    comprehension: no Python frame per context (a step's inputs and its commit read them
+    for every row)."""
+    return [c[-1] if type(c) is not Context else (c.tail or c.base)[-1] for c in contexts]
+
+
 def flat(tokens) -> tuple:
     """``tokens`` (a tuple, a :class:`Context` or another sequence of ints) as a flat tuple."""
     kind = type(tokens)

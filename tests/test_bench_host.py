@@ -152,23 +152,32 @@ def test_compare_runs_both_routes_alike(bench, capsys, other, labels):
 
 def test_step_timeline_times_every_phase_and_unwraps():
     """``bench_step_timeline.py``: every phase of every cell timed (finite, >= 0; the forward
-    within the compute step), and genback's hand-off points are its own again afterwards."""
+    and the compute step's own parts within the compute step), and genback's hand-off points
+    and parts are its own again afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
     from genback.batcher import Batcher
+    from genback.core import front
     from genback.core.front import Front
+    from genback.runners.hf import runner
+
+    def parts():
+        return (runner.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
+                runner.HFRunner._evict, Front._store, front.owned_copies)
 
     spec = importlib.util.spec_from_file_location("bench_step_timeline",
                                                   BENCH.parent / "bench_step_timeline.py")
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
     before = (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
-              Batcher._finish)
+              Batcher._finish, *parts())
     for api, worker in (("gather", []), ("batch", []), ("gather", ["--worker"])):
         cells = timeline.main(["--particles", "1", "4", "--steps", "3", "--api", api] + worker)
         assert [c["particles"] for c in cells] == [1, 4]
         for c in cells:
-            assert all(math.isfinite(c[p]) and c[p] >= 0 for p in timeline.PHASES)
+            assert all(math.isfinite(c[p]) and c[p] >= 0
+                       for p in timeline.PHASES + timeline.PARTS)
             assert c["fwd"] <= c["compute"]
+            assert c["plan"] > 0 and c["commit"] > 0 and c["store"] > 0
     assert (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
-            Batcher._finish) == before
+            Batcher._finish, *parts()) == before

@@ -276,6 +276,72 @@ def test_compacted_tree_keeps_every_path_exact(ops, seed):
     assert len(set(held.tolist())) == len(held) == pool.in_use and 0 not in held
 
 
+def _dump(tree: KVTree) -> tuple:
+    """The tree's whole state, comparable between trees: every node's edge, slots, depth,
+    bytes and pin from the roots down (children in key order), and the byte count."""
+    def walk(node):
+        return (node.edge, None if node.slots is None else node.slots.tolist(), node.depth,
+                node.bytes, node.pinned, [walk(node.children[k]) for k in sorted(node.children)])
+    return walk(tree.root), tree.bytes_held, len(tree._nodes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(2, 5))
+def test_grow_commits_a_step_as_extend_and_insert_do_row_by_row(seed, particles, cap):
+    """``KVTree.grow`` (the runner's commit of a uniform step, in one call) leaves exactly the
+    tree that the row-by-row commit leaves (``extend`` where a leaf can grow in place, else
+    ``insert``), with the same notes: an SMC trace with resampling (holders held twice), a
+    small alphabet (a new token whose child exists already), particles going back to older
+    contexts (a cached prefix ending inside an edge), a short ``EXTEND_MAX`` (full edges) and
+    compaction after every step, as the runner runs it."""
+    rng = random.Random(seed)
+    trees = [KVTree(1 << 30, token_bytes=3), KVTree(1 << 30, token_bytes=3)]
+    prompt = (9, 8, 7)
+    for tree in trees:
+        tree.EXTEND_MAX = cap
+        tree.ends.note(prompt, tree.insert(prompt, 0, np.arange(1, 4)))
+    contexts, next_slot, history = [prompt] * particles, 4, []
+    for step in range(12):
+        children = list(dict.fromkeys(c + (rng.randrange(3),) for c in contexts))
+        slots = [np.array([next_slot + i]) for i in range(len(children))]
+        next_slot += len(children)
+        parents = [c[:-1] for c in children]
+        parents = [next(p for p in contexts if p == q) for q in parents]  # (the noted objects)
+        states = []
+        for k, tree in enumerate(trees):
+            matched = [tree.match(c, len(c) - 1, touch=False, parent=p, segments=False)
+                       for c, p in zip(children, parents)]
+            holders, cached = [m[2] for m in matched], [m[1] for m in matched]
+            tree.acquire(*holders)
+            if k == 0:
+                nodes, inserted = tree.grow(holders, children, cached,
+                                            [c[-1] for c in children], slots)
+                tree.ends.note_many(children, nodes, [len(c) for c in children])
+            else:
+                nodes, inserted = [], []
+                for holder, c, n, s in zip(holders, children, cached, slots):
+                    if holder.depth == n and tree.extend(holder, c, s):
+                        nodes.append(holder)
+                    else:
+                        inserted.append(tree.insert(c, n, s, near=holder, touch=False))
+                        nodes.append(inserted[-1])
+                    tree.ends.note(c, nodes[-1])
+            tree.release(*holders)
+            for node in nodes:
+                if node.slots is not None and node.parent is not None:
+                    tree.compact(node)
+            ends = [tree.ends.get(c) for c in children]  # (a note holds while its node ends
+            # where its context does: not one that a longer context of the step grew since)
+            assert all(e is None or e.depth == len(c) for e, c in zip(ends, children))
+            states.append((_dump(tree), len(inserted), [e is None for e in ends],
+                           [tree.match(c, touch=False, parent=c)[1] for c in children]))
+        assert states[0] == states[1]
+        history += children  # (now and then a particle goes back to an older context: its KV
+        # may end inside a grown leaf's edge, matched below its holder's end)
+        contexts = [rng.choice(children if rng.random() < 0.8 else history)
+                    for _ in range(particles)]
+
+
 def test_a_growing_leafs_slots_go_in_place_and_no_view_changes():
     """``append_slots``: a leaf's slots grow in one buffer (no new one while it has room and
     ``slots`` is still the view it made); a node whose ``slots`` were set otherwise (a split)

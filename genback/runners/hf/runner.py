@@ -23,11 +23,13 @@ model runs with; a batch is computed one adapter at a time (one or more forwards
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from ...context import last_ids
 from ...query import Prefill, Query
 from ...runner import Capabilities, check_pin_budget
 from .cache.kv_pool import CachedNode, KVPool
@@ -45,6 +47,9 @@ from .options import attention_kind, check_device, check_options
 from .plan.batch import (Output, Path, group_paths, is_uniform, plan_batch, plan_step,
                          query_path)
 from .plan.budget import ForwardBudget
+
+_tokens, _holder, _cached = (operator.attrgetter("tokens"), operator.attrgetter("holder"),
+                             operator.attrgetter("cached"))
 
 
 class HFRunner:
@@ -322,7 +327,7 @@ class HFRunner:
                                      self.budget.score_bytes):
                 out = self._forward(group, uniform)
                 answered.extend(zip([o for p in group for o in p.outputs], out.values))
-                self._commit(group, out.new_slots, new)
+                (self._commit_step if uniform else self._commit)(group, out.new_slots, new)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
         finally:
             # the LRU order of everything this level used or inserted, each node once (also
@@ -347,6 +352,18 @@ class HFRunner:
                 new.append(node)
             self._inserted.append(node)
             tree.ends.note(p.tokens, node, p.adapter)
+
+    def _commit_step(self, group: list[Path], new_slots: list, new: list) -> None:
+        """:meth:`_commit` of a uniform step's paths (one new token each, one adapter) in
+        bulk: :meth:`.cache.kvtree.KVTree.grow` and :meth:`.cache.ends.Ends.note_many`, the
+        rows' fields read by C-level getters (no call chain per row)."""
+        contexts, cached = list(map(_tokens, group)), list(map(_cached, group))
+        adapter = group[0].adapter
+        nodes, inserted = self.tree.grow(list(map(_holder, group)), contexts, cached,
+                                         last_ids(contexts), new_slots, adapter)
+        new.extend(inserted)
+        self._inserted.extend(nodes)
+        self.tree.ends.note_many(contexts, nodes, [n + 1 for n in cached], adapter)
 
     def _evict(self) -> None:
         """Merge the nodes this call inserted with their single-child ancestors

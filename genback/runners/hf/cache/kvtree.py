@@ -35,8 +35,8 @@ import numpy as np
 from ....context import Context, flat
 from ....cpython import untrack_ids
 from .ends import Ends
-from .nodes import Node as _Node
-from .nodes import append_slots, common_prefix_length, descend, prefix_segments
+from .nodes import (Node as _Node, append_slots, common_prefix_length, descend, merge_up,
+                    prefix_segments)
 from .recency import Candidates
 
 
@@ -168,14 +168,8 @@ class KVTree:
                     raise KeyError(f"prefix tokens[:{start}] is not cached (evicted?)")
                 if pos > start:  # tokens[start:pos] were stored by another insertion
                     self._free(slots[:pos - start])
-                leaf = _Node(node, untrack_ids(tokens[pos:]), slots[pos - start:], len(tokens),
-                             self.token_bytes)
-                node.children[tokens[pos]] = leaf
-                leaf.stamp = self.clock  # (used now; ``touch`` stamps it anew)
-                self._nodes[leaf] = None
-                self._candidates.push(leaf, self._nodes)
-                self.bytes_held += leaf.bytes
-                node = leaf
+                node = self._leaf(node, untrack_ids(tokens[pos:]), slots[pos - start:],
+                                  len(tokens))
                 break
             edge = child.edge
             n = min(len(edge), len(tokens) - pos)
@@ -188,6 +182,43 @@ class KVTree:
         if touch:
             self._touch(node)
         return node
+
+    def _leaf(self, node: _Node, edge: tuple, slots, depth: int) -> _Node:
+        """A new leaf under ``node``: ``edge`` (ending at ``depth``) and its ``slots``."""
+        leaf = _Node(node, edge, slots, depth, self.token_bytes)
+        node.children[edge[0]] = leaf
+        leaf.stamp = self.clock  # (used now; ``touch`` stamps it anew)
+        self._nodes[leaf] = None
+        self._candidates.push(leaf, self._nodes)
+        self.bytes_held += leaf.bytes
+        return leaf
+
+    def grow(self, holders: list, contexts: list, cached: list, last: list, slots: list,
+             adapter=None) -> tuple[list, list]:
+        """A uniform step's commit in one call: context ``contexts[i]`` is ``cached[i]`` cached
+        tokens (held in ``holders[i]``, :meth:`insert`'s ``near``) plus ``last[i]``, its KV in
+        pool slot ``slots[i]`` (``int64 [1]``): :meth:`extend` of the holder where it can grow
+        in place, else :meth:`insert` (a one-token leaf made here), no call per row for either.
+        Returns ``(nodes, inserted)``: where each context ends now, and the new nodes (not
+        stamped: ``touch=False``)."""
+        nodes, inserted, cap, added = [], [], self.EXTEND_MAX, self.token_bytes
+        for holder, ctx, n, token, s in zip(holders, contexts, cached, last, slots):
+            if holder.depth == n and not (holder.children or holder.pinned or holder.refs > 1
+                                          or holder.parent is None or len(holder.edge) >= cap):
+                holder.edge += (token,)  # (as extend)
+                append_slots(holder, s, cap)
+                holder.depth += 1
+                holder.bytes += added
+                nodes.append(holder)
+                continue
+            if holder.depth == n and token not in holder.children:  # (as insert's new leaf)
+                node = self._leaf(holder, (token,), s, n + 1)
+            else:
+                node = self.insert(ctx, n, s, adapter, near=holder, touch=False)
+            nodes.append(node)
+            inserted.append(node)
+        self.bytes_held += added * (len(nodes) - len(inserted))  # (the grown ones)
+        return nodes, inserted
 
     # a leaf grows in place (extend) while its edge stays this short: an extension copies the
     # edge's tuple (its slots go into a buffer of this many, nodes.append_slots), so a longer
@@ -238,43 +269,12 @@ class KVTree:
 
     def compact(self, node: _Node) -> _Node:
         """Merge ``node`` with its ancestors that have no other child, while the merged edges
-        stay geometric: a parent's edge joins when it is at most twice as long as what is
-        merged below it. Returns the node now ending where ``node`` ended (``node`` itself: it
-        takes over its parents' edges and KV, so its depth and path tokens are unchanged).
-
-        Why: each decoding step or SMC extension inserts a one-token leaf, so without merging a
-        path after ``s`` steps has ``s`` nodes and every query's walk, touch and attention
-        layout does Python work per generated token. With the geometric rule a chain of ``s``
-        one-token steps keeps O(log s) nodes, and each token's slot index is copied O(log s)
-        times in all (amortised; the rule of size-balanced merging, as in log-structured merge
-        trees). Merging joins index arrays only: no KV moves.
-        Nodes that are pinned, held (``acquire``) or that branch are never merged away. A
-        chain is merged at every chance (waiting for 3 ancestors made the per-query walk cost
-        more than the joins it saved: 256 particles after 100 steps, measured).
-        """
-        if node.parent is None or node.refs:
-            return node
-        taken, length, up = [], len(node.edge), node.parent
-        while (up.parent is not None and len(up.children) == 1 and not up.refs
-               and not up.pinned and len(up.edge) <= 2 * length):
-            taken.append(up)
-            length += len(up.edge)
-            up = up.parent
-        if not taken:
-            return node
-        taken.reverse()  # root side first
-        node.slots = np.concatenate([n.slots for n in taken] + [node.slots])
-        edge = node.edge
-        for n in reversed(taken):
-            edge = n.edge + edge
-        node.edge = untrack_ids(edge)  # (ints only: no collection need walk it)
-        node.bytes = len(node.slots) * self.token_bytes
-        node.parent = up
-        up.children[node.edge[0]] = node
+        stay geometric (:func:`.nodes.merge_up`, which says why). Returns the node now ending
+        where ``node`` ended (``node`` itself: it takes over its parents' edges and KV, so its
+        depth and path tokens are unchanged)."""
+        taken = merge_up(node, self.token_bytes)
         for n in taken:
             del self._nodes[n]
-            node.stamp = max(node.stamp, n.stamp)
-            n.slots, n.children, n.parent = None, {}, None
         self.merges += len(taken)
         return node
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ....context import last_ids
 from ..cache.kv_pool import KVPool
 from ..plan.batch import Path
 
@@ -46,8 +47,8 @@ def as_long(values, device=None) -> torch.Tensor:
 
 def last_tokens(paths: list[Path]) -> np.ndarray:
     """``int64 [R]``: each path's last token (a decode step's input), without a Python frame per
-    path (``map`` of C-level getters)."""
-    return np.fromiter(map(_last, map(_tokens, paths)), dtype=np.int64, count=len(paths))
+    path: :func:`genback.context.last_ids`)."""
+    return np.array(last_ids(map(_tokens, paths)), dtype=np.int64)
 
 
 def cached_lengths(paths: list[Path]) -> np.ndarray:
@@ -55,8 +56,7 @@ def cached_lengths(paths: list[Path]) -> np.ndarray:
     return np.fromiter(map(_cached, paths), dtype=np.int64, count=len(paths))
 
 
-_tokens, _cached, _last = (operator.attrgetter("tokens"), operator.attrgetter("cached"),
-                           operator.itemgetter(-1))
+_tokens, _cached = operator.attrgetter("tokens"), operator.attrgetter("cached")
 
 
 def model_inputs(paths: list[Path], pad_id: int):
