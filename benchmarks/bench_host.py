@@ -114,8 +114,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its sibling, run from anywhere)
 import host_loop  # noqa: E402
-from host_clocks import ForwardTimer, GcClock, StepClock, ask  # noqa: E402,F401
-from tiny_lm import corpus, load, smollm2, text_ids, tiny_model, tiny_tokenizer  # noqa: E402,F401
+from host_clocks import ForwardTimer, GcClock, StepClock, ask  # noqa: E402
+from tiny_lm import load, text_ids  # noqa: E402
 
 DEFAULT_GRID = {"tiny": ([16, 256, 1024], [100, 1000, 4000, 16000]),
                 "smollm2": ([16, 256], [100, 1000, 4000])}
