@@ -25,7 +25,9 @@ and the compute step's own parts (summed over the step's calls of each; ``comput
   minus ``fwd``): the inputs, the attention layout, the logits' rows;
 - ``commit``: the new KV put into the KV tree and the contexts' ends noted; ``evict``: the
   tree's compaction and eviction after the batch;
-- ``store``: the rows kept in the output cache; ``copies``: the callers' own copies.
+- ``store``: the rows put into the output cache (its ``put_many``); ``copies``: the copies of
+  the rows made in blocks (host rows: the cache's, :func:`genback.rows.copy_blocks`; rows on an
+  accelerator: the callers', :func:`genback.rows.owned_copies`).
 
 The clocks are read by wrapping genback's private hand-off points (the worker pool's ``submit``,
 ``Batcher._run_inline``, ``Front._compute_owned``, ``Batcher._finish``): a measurement tool, not
@@ -62,7 +64,7 @@ class Clocks:
     def __init__(self):
         from genback import batcher
         from genback.core import front
-
+        from genback.core.output_cache import OutputCache
         from genback.runners.hf import runner
         from genback.runners.hf.decode.step import DecodeStep
         from genback.runners.hf.forward.tree import TreeForward
@@ -75,8 +77,8 @@ class Clocks:
         parts = [(runner, "plan_step", "plan"), (TreeForward, "run", "fwd host"),
                  (DecodeStep, "run", "fwd host"), (runner.HFRunner, "_commit", "commit"),
                  (runner.HFRunner, "_commit_step", "commit"),
-                 (runner.HFRunner, "_evict", "evict"), (front.Front, "_store", "store"),
-                 (front, "owned_copies", "copies")]
+                 (runner.HFRunner, "_evict", "evict"), (OutputCache, "put_many", "store"),
+                 (front, "copy_blocks", "copies"), (front, "owned_copies", "copies")]
         self.saved = [(owner, name, getattr(owner, name)) for owner, name in points] + [
             (owner, name, getattr(owner, name)) for owner, name, _ in parts]
         for owner, name in points:

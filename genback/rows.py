@@ -9,10 +9,15 @@ A row is float32 ``[V]`` (``V`` the logit width). Its life, and the one rule at 
    view it was given, and at a row's first hit a compact copy (:func:`compact`), so a hot row
    does not keep its step's block alive after its siblings left.
 3. **Handed out**: every caller gets a tensor of its own, never the cache's or another caller's.
-   The batcher's callers get copies made in blocks (:func:`owned_copies`: one copy per block,
-   not a ``clone`` per row); the second and later callers of one query in a batch, a caller
-   served from the cache, and the callers of a runner that schedules itself get a clone
-   (:func:`own`, through :func:`copy_result` for the batcher).
+   A runner's rows are its callers' own already (every runner returns fresh rows: a view of a
+   block it made for this batch, or a clone), so the batcher's callers of host rows get them as
+   they are and the cache keeps a copy of them instead, in blocks (:func:`copy_blocks`), each
+   row a :class:`BlockRow` (a block and an index: no tensor view is made for a row the cache
+   never hands out). On an accelerator the cache keeps the runner's rows and the callers get
+   copies made in blocks (:func:`owned_copies`), since the runner's block there is the whole
+   step's. The second and later callers of one query in a batch, a caller served from the
+   cache, and the callers of a runner that schedules itself get a clone (:func:`own`, through
+   :func:`copy_result` for the batcher).
 
 Block sizes, in one table (every constant below is used here only):
 
@@ -20,7 +25,7 @@ Block sizes, in one table (every constant below is used here only):
 |---|---|---|
 | log-softmax rows | host memory | :data:`HOST_BLOCK_BYTES` (1 MiB) |
 | log-softmax rows | accelerator | the whole step (one kernel) |
-| callers' copies | host memory | :data:`HOST_BLOCK_BYTES` (1 MiB) |
+| the output cache's copies | host memory | :data:`HOST_BLOCK_BYTES` (1 MiB) |
 | callers' copies | accelerator | :data:`DEVICE_COPY_BLOCK_BYTES` (8 MiB) |
 
 Measured (``benchmarks/RESULTS.md``, "Rows in host memory"): one block of a whole step's rows
@@ -38,7 +43,7 @@ from __future__ import annotations
 import torch
 
 HOST_BLOCK_BYTES = 1 << 20
-"""Bytes of a block of rows in host memory (log-softmax rows and callers' copies)."""
+"""Bytes of a block of rows in host memory (log-softmax rows and the output cache's copies)."""
 
 DEVICE_COPY_BLOCK_BYTES = 8 << 20
 """Most bytes of a block of callers' copies on an accelerator."""
@@ -69,18 +74,43 @@ def log_softmax_rows(logits: torch.Tensor, row_device: torch.device) -> list[tor
     return out
 
 
-def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of equal-shaped ``rows`` (one device, one dtype), one copy per block of at most
+def copy_blocks(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of equal-shaped ``rows`` (one device, one dtype) stacked in blocks of at most
     :data:`DEVICE_COPY_BLOCK_BYTES` (:data:`HOST_BLOCK_BYTES` in host memory; at least one row
-    each): each copy a view of its block (a single row: its clone)."""
-    if len(rows) == 1:  # (one op, not a stack and an unbind)
-        return [rows[0].clone()]
+    each), in order: ``[n_i, *row shape]`` each."""
     limit = HOST_BLOCK_BYTES if rows[0].is_cpu else DEVICE_COPY_BLOCK_BYTES
     per = _per_block(rows[0].nbytes, limit)
+    return [torch.stack(rows[a:a + per]) for a in range(0, len(rows), per)]
+
+
+def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of equal-shaped ``rows`` (one device, one dtype), one copy per block
+    (:func:`copy_blocks`): each copy a view of its block (a single row: its clone)."""
+    if len(rows) == 1:  # (one op, not a stack and an unbind)
+        return [rows[0].clone()]
     out: list[torch.Tensor] = []
-    for a in range(0, len(rows), per):
-        out.extend(torch.stack(rows[a:a + per]).unbind(0))
+    for block in copy_blocks(rows):
+        out.extend(block.unbind(0))
     return out
+
+
+class BlockRow:
+    """Row ``index`` of ``block`` (``[n, *row shape]``), as the output cache keeps a copy it may
+    never hand out: a tensor view is made only when it is (:func:`compact`). ``nbytes``: the
+    row's bytes."""
+
+    __slots__ = ("block", "index", "nbytes")
+
+    def __init__(self, block: torch.Tensor, index: int, nbytes: int):
+        self.block, self.index, self.nbytes = block, index, nbytes
+
+
+def block_rows(blocks: list[torch.Tensor]) -> list[BlockRow]:
+    """Every row of ``blocks`` (:func:`copy_blocks`), in order, as :class:`BlockRow` s."""
+    if not blocks:
+        return []
+    nbytes = blocks[0][0].nbytes
+    return [BlockRow(b, i, nbytes) for b in blocks for i in range(len(b))]
 
 
 def own(row: torch.Tensor) -> torch.Tensor:
@@ -95,8 +125,10 @@ def copy_result(result):
 
 
 def compact(row):
-    """The output cache's copy of a row found again: a view of a larger block becomes a
-    compact copy (a clone); anything else is kept as it is."""
+    """The output cache's copy of a row found again: a view of a larger block, or a
+    :class:`BlockRow`, becomes a compact copy (a clone); anything else is kept as it is."""
+    if type(row) is BlockRow:
+        return row.block[row.index].clone()
     if type(row) is torch.Tensor and row._base is not None:
         return row.clone()
     return row

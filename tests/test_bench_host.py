@@ -159,11 +159,13 @@ def test_step_timeline_times_every_phase_and_unwraps():
     from genback.batcher import Batcher
     from genback.core import front
     from genback.core.front import Front
+    from genback.core.output_cache import OutputCache
     from genback.runners.hf import runner
 
     def parts():
         return (runner.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
-                runner.HFRunner._evict, Front._store, front.owned_copies)
+                runner.HFRunner._evict, OutputCache.put_many, front.copy_blocks,
+                front.owned_copies)
 
     spec = importlib.util.spec_from_file_location("bench_step_timeline",
                                                   BENCH.parent / "bench_step_timeline.py")
@@ -178,6 +180,6 @@ def test_step_timeline_times_every_phase_and_unwraps():
             assert all(math.isfinite(c[p]) and c[p] >= 0
                        for p in timeline.PHASES + timeline.PARTS)
             assert c["fwd"] <= c["compute"]
-            assert c["plan"] > 0 and c["commit"] > 0 and c["store"] > 0
+            assert c["plan"] > 0 and c["commit"] > 0 and c["store"] > 0 and c["copies"] > 0
     assert (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
             Batcher._finish, *parts()) == before

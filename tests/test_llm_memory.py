@@ -57,13 +57,16 @@ def test_rss_stays_within_budget_rows_and_one_forward(smol_hf):
 
 
 async def test_a_hot_cached_row_does_not_keep_its_step_block_alive(tiny_hf, gpt2_tok):
-    """A step's rows are views of one ``log_softmax`` block; once the others have left the
-    output cache, a row that was asked again (a hit) must not hold the block: the hit keeps a
-    compact copy. Asked again, the row is the same values as computed first."""
+    """The output cache keeps a step's rows as one block of copies (host rows: each entry a
+    :class:`genback.rows.BlockRow`, no view per row); once the others have left the cache, a row
+    that was asked again (a hit) must not hold the block: the hit keeps a compact copy. Asked
+    again, the row is the same values as computed first."""
     import gc
     import weakref
 
     import torch
+
+    from genback.rows import BlockRow
 
     lm = AsyncTransformer(tiny_hf, gpt2_tok, row_cache_size=4, batch_window=0.05)
     try:
@@ -71,8 +74,11 @@ async def test_a_hot_cached_row_does_not_keep_its_step_block_alive(tiny_hf, gpt2
         rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in first))
         cache = lm.front.cache
         cached = {k.tokens: r for k, r in cache._rows.items()}
-        block = cached[tuple(first[0])]._base
-        assert block is not None and all(r._base is block for r in cached.values())
+        block = cached[tuple(first[0])].block
+        assert all(type(r) is BlockRow and r.block is block for r in cached.values())
+        assert [r.index for r in cached.values()] == [0, 1, 2, 3]
+        assert all(r.data_ptr() < block.data_ptr() or r.data_ptr() >= block.data_ptr()
+                   + block.nbytes for r in rows)  # (the callers' rows are not the cache's)
         gone = weakref.ref(block)
         del block, cached
         again = await lm.next_token_logprobs(first[0])  # a hit: no forward

@@ -15,9 +15,8 @@ Five ways in, and the path each takes:
   worker thread (a lockstep step on the event loop's thread) through the front's compute step:
   rows cached meanwhile are taken, the rest go to ``runner.run`` under the forward lock and
   without the calling thread's autocast (:func:`no_autocast`), next-token rows are stored in
-  the output cache, and each caller gets its own copy (:mod:`genback.rows`). With
-  ``Immediate``, each query goes to
-  the runner's ``answer_shared`` and its row is stored.
+  the output cache, and each caller gets a row of its own (:mod:`genback.rows`). With
+  ``Immediate``, each query goes to the runner's ``answer_shared`` and its row is stored.
 * :meth:`Front.next_token_row` (``next_token_logprobs``): the same lookup, and the batcher's
   future itself handed out (:mod:`genback.query_future`: no task per query in a gather).
 * :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
@@ -48,7 +47,7 @@ from .autocast import no_autocast
 from .batch_options import BatchOptions
 from .inputs import ContextChecker, check_lora, check_positive_int
 from ..query_future import done_future, failed_future
-from ..rows import copy_result, own, owned_copies
+from ..rows import block_rows, copy_blocks, copy_result, own, owned_copies
 
 
 class Front(BatchOptions):
@@ -305,12 +304,27 @@ class Front(BatchOptions):
         if rows:
             self.cache.put_many(rows)
 
+    def _store_copies(self, queries, rows) -> None:
+        """:meth:`_store` of copies of equal-shaped tensor ``rows`` (of cacheable ``queries``) in
+        blocks (:func:`genback.rows.copy_blocks`), each kept as a :class:`~genback.rows.BlockRow`."""
+        self.cache.put_many(zip([q.without_parent() for q in queries],
+                                block_rows(copy_blocks(rows))))
+
     def _compute(self, queries: list[Query]) -> list:
         """One result per query: a row cached since the query was submitted, else the runner's
         result, or the exception that fails only that query (its adapter was removed while it
         waited, or it cannot fit)."""
+        results, todo, computed = self._run(queries)
+        if todo:
+            self._store([queries[i] for i in todo], computed)
+        return results
+
+    def _run(self, queries: list[Query]) -> tuple[list, list[int], list]:
+        """:meth:`_compute`'s results before any is stored, the indices of the queries the
+        runner answered, and its results for them."""
         results = self.cache.get_many([q if q.cacheable else None for q in queries])
         todo = [i for i, row in enumerate(results) if row is None]
+        computed: list = []
         if todo:
             with self.lock:
                 self.check_open()
@@ -324,19 +338,24 @@ class Front(BatchOptions):
                                                 else [queries[i] for i in todo]) if todo else [])
             for i, value in zip(todo, computed):
                 results[i] = value
-            self._store([queries[i] for i in todo], computed)
-        return results
+        return results, todo, computed
 
     def _compute_owned(self, queries: list[Query]) -> list:
-        """:meth:`_compute` for the batcher: next-token rows come back as the callers' own
-        copies, made in blocks (:func:`genback.rows.owned_copies`); the output cache keeps the
-        rows it was given."""
-        results = self._compute(queries)
-        at = [i for i, (q, r) in enumerate(zip(queries, results))
-              if q.cacheable and isinstance(r, torch.Tensor)]
-        if at:
-            for i, row in zip(at, owned_copies([results[i] for i in at])):
-                results[i] = row
+        """:meth:`_compute` for the batcher, whose callers get rows of their own
+        (:mod:`genback.rows`): fresh host rows as they are, the cache keeping copies
+        (:meth:`_store_copies`); other rows copied in blocks (:func:`~genback.rows.owned_copies`)."""
+        results, todo, computed = self._run(queries)
+        fresh = [i for i in todo if queries[i].cacheable and type(results[i]) is torch.Tensor]
+        mine = set(fresh) if fresh and results[fresh[0]].is_cpu else ()  # (handed as they are)
+        if len(mine) < len(todo):  # (all of them, or the failures and uncacheable results)
+            rest = [i for i in todo if i not in mine]
+            self._store([queries[i] for i in rest], [results[i] for i in rest])
+        if mine:
+            self._store_copies([queries[i] for i in fresh], [results[i] for i in fresh])
+        at = [i for i, (q, r) in enumerate(zip(queries, results)) if q.cacheable and
+              isinstance(r, torch.Tensor) and i not in mine] if len(mine) < len(queries) else ()
+        for i, row in zip(at, owned_copies([results[i] for i in at]) if at else ()):
+            results[i] = row
         return results
 
     async def _answer_one(self, query: Query):
