@@ -183,3 +183,19 @@ def test_step_timeline_times_every_phase_and_unwraps():
             assert c["plan"] > 0 and c["commit"] > 0 and c["store"] > 0 and c["copies"] > 0
     assert (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
             Batcher._finish, *parts()) == before
+
+
+def test_cold_ops_times_every_operation_under_every_condition():
+    """``bench_cold_ops.py`` runs in-process: one cell per condition, in order, a positive
+    finite time for every operation and their sum."""
+    spec = importlib.util.spec_from_file_location("bench_cold_ops",
+                                                  BENCH.parent / "bench_cold_ops.py")
+    cold = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cold)
+    cells = cold.main(["--rows", "2", "--tokens", "5", "--repeats", "3", "--sweep-mib", "1"])
+    assert [c["condition"] for c in cells] == [
+        "back to back", "after a 1-token forward", "after a decode step (2 rows, 5-token cache)",
+        "after a 2 x 5 forward", "after a sweep of 1 MiB"]
+    for c in cells:
+        assert all(math.isfinite(c[o]) and c[o] > 0 for o in cold.OPS)
+        assert c["sum"] == pytest.approx(sum(c[o] for o in cold.OPS))
