@@ -454,3 +454,35 @@ async def test_queries_stay_immutable_and_cached_keys_drop_the_lineage_hint(tiny
     assert cached is not None and torch.equal(cached, row)
     [key] = [k for k in tiny_lm.front.cache._rows if k == query]  # (the cache's own keys)
     assert key is not query and key.parent is None
+
+
+async def test_the_batchers_compute_hands_fresh_rows_out_and_caches_copies(tiny_lm):
+    """The batcher's compute step (``Front._compute_owned``) on host rows: the rows the runner
+    computed go to their callers as they are and the output cache keeps copies of them (one
+    :class:`genback.rows.BlockRow` each, a block of its own); a row the cache held already is
+    handed out as a copy. Every row equals an uncached forward's, and writing into a handed-out
+    row changes nothing the cache hands out later."""
+    from genback.rows import BlockRow
+
+    front = tiny_lm.front
+    old = [464, 3139, 286]
+    kept = await tiny_lm.next_token_logprobs(old)
+    cached_row = front.cache.get(front.next_token(old, None))
+    queries = [front.next_token(c, None) for c in (old, old + [11], old + [12])]
+    rows = front._compute_owned(queries)
+    assert rows[0].data_ptr() != cached_row.data_ptr()  # the cached row: a copy
+    entries = [front.cache._rows[q] for q in queries[1:]]
+    assert all(type(e) is BlockRow for e in entries) and entries[0].block is entries[1].block
+    block = entries[0].block
+    for r in rows[1:]:  # the fresh rows: not in the cache's block
+        assert not block.data_ptr() <= r.data_ptr() < block.data_ptr() + block.nbytes
+    for q, r in zip(queries, rows):
+        want = tiny_lm.next_token_logprobs_uncached(list(q.tokens))
+        assert (r - want).abs().max() <= 1e-5
+    torch.testing.assert_close(rows[0], kept, rtol=0, atol=0)
+    want = [r.clone() for r in rows]
+    for r in rows:
+        r.fill_(0.0)
+    for q, w in zip(queries, want):
+        torch.testing.assert_close(await tiny_lm.next_token_logprobs(list(q.tokens)), w,
+                                   rtol=0, atol=0)
