@@ -6,8 +6,9 @@ A row is float32 ``[V]`` (``V`` the logit width). Its life, and the one rule at 
    blocks (on an accelerator one block per step, one kernel; in host memory blocks of
    :data:`HOST_BLOCK_BYTES`, which malloc recycles).
 2. **Kept** by the output cache (:class:`genback.core.output_cache.OutputCache`): it keeps the
-   view it was given, and at a row's first hit a compact copy (:func:`compact`), so a hot row
-   does not keep its step's block alive after its siblings left.
+   view it was given (or the :class:`BlockRow` of a block of copies, see 3), and at a row's
+   first hit a compact copy (:func:`compact`), so a hot row does not keep its step's block
+   alive after its siblings left.
 3. **Handed out**: every caller gets a tensor of its own, never the cache's or another caller's.
    A runner's rows are its callers' own already (every runner returns fresh rows: a view of a
    block it made for this batch, or a clone), so the batcher's callers of host rows get them as

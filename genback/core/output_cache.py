@@ -11,7 +11,9 @@ move_to_cpu=False)``, ``cache[key]`` / ``cache[key] = row`` / ``key in cache`` /
 
 Rows arrive as views: a step's ``log_softmax`` is one block of ``[rows, V]`` float32 (one
 kernel on a GPU: up to 128 MiB at 256 rows of a 128k vocabulary; blocks of about 1 MiB in host
-memory), and each cached row is a view of it, which keeps the whole block alive. Rows that are
+memory), and each cached row is a view of it, which keeps the whole block alive (host rows of
+the batcher arrive as :class:`genback.rows.BlockRow` s of a block of copies, which do the same:
+:mod:`genback.rows`). Rows that are
 never asked again leave the cache in the order they came, a block's rows together; a row that is
 asked again (a hit) moves to the recent end and could keep its block alive long after its
 siblings left. So a hit replaces a view by a compact copy of the row, once (one copy per hot
