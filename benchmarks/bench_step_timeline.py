@@ -26,7 +26,7 @@ and the compute step's own parts (summed over the step's calls of each; ``comput
 - ``commit``: the new KV put into the KV tree and the contexts' ends noted; ``evict``: the
   tree's compaction and eviction after the batch;
 - ``store``: the rows put into the output cache (its ``put_many``); ``copies``: the copies of
-  the rows made in blocks (host rows: the cache's, :func:`genback.rows.copy_blocks`; rows on an
+  the rows made in blocks (host rows: the cache's, :func:`genback.rows.kept_copies`; rows on an
   accelerator: the callers', :func:`genback.rows.owned_copies`).
 
 The clocks are read by wrapping genback's private hand-off points (the worker pool's ``submit``,
@@ -78,7 +78,7 @@ class Clocks:
                  (DecodeStep, "run", "fwd host"), (runner.HFRunner, "_commit", "commit"),
                  (runner.HFRunner, "_commit_step", "commit"),
                  (runner.HFRunner, "_evict", "evict"), (OutputCache, "put_many", "store"),
-                 (front, "copy_blocks", "copies"), (front, "owned_copies", "copies")]
+                 (front, "kept_copies", "copies"), (front, "owned_copies", "copies")]
         self.saved = [(owner, name, getattr(owner, name)) for owner, name in points] + [
             (owner, name, getattr(owner, name)) for owner, name, _ in parts]
         for owner, name in points:

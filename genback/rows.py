@@ -12,7 +12,7 @@ A row is float32 ``[V]`` (``V`` the logit width). Its life, and the one rule at 
 3. **Handed out**: every caller gets a tensor of its own, never the cache's or another caller's.
    A runner's rows are its callers' own already (every runner returns fresh rows: a view of a
    block it made for this batch, or a clone), so the batcher's callers of host rows get them as
-   they are and the cache keeps a copy of them instead, in blocks (:func:`copy_blocks`), each
+   they are and the cache keeps a copy of them instead, in blocks (:func:`kept_copies`), each
    row a :class:`BlockRow` (a block and an index: no tensor view is made for a row the cache
    never hands out). On an accelerator the cache keeps the runner's rows and the callers get
    copies made in blocks (:func:`owned_copies`), since the runner's block there is the whole
@@ -40,6 +40,8 @@ than one per step (256 rows of a 128k vocabulary: 128 MiB).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -81,6 +83,8 @@ def copy_blocks(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     each), in order: ``[n_i, *row shape]`` each."""
     limit = HOST_BLOCK_BYTES if rows[0].is_cpu else DEVICE_COPY_BLOCK_BYTES
     per = _per_block(rows[0].nbytes, limit)
+    if len(rows) <= per:  # (one block: no comprehension's frame)
+        return [torch.stack(rows)]
     return [torch.stack(rows[a:a + per]) for a in range(0, len(rows), per)]
 
 
@@ -95,23 +99,23 @@ def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class BlockRow:
-    """Row ``index`` of ``block`` (``[n, *row shape]``), as the output cache keeps a copy it may
-    never hand out: a tensor view is made only when it is (:func:`compact`). ``nbytes``: the
-    row's bytes."""
+class BlockRow(tuple):
+    """``(block, index, nbytes)``: row ``index`` of ``block`` (``[n, *row shape]``), as the output
+    cache keeps a copy it may never hand out; a tensor view is made only when it is
+    (:func:`compact`). ``nbytes``: the row's bytes. (A tuple: made and read in C, no Python
+    frame per row.)"""
 
-    __slots__ = ("block", "index", "nbytes")
+    __slots__ = ()
+    block = property(operator.itemgetter(0))
+    index = property(operator.itemgetter(1))
+    nbytes = property(operator.itemgetter(2))
 
-    def __init__(self, block: torch.Tensor, index: int, nbytes: int):
-        self.block, self.index, self.nbytes = block, index, nbytes
 
-
-def block_rows(blocks: list[torch.Tensor]) -> list[BlockRow]:
-    """Every row of ``blocks`` (:func:`copy_blocks`), in order, as :class:`BlockRow` s."""
-    if not blocks:
-        return []
-    nbytes = blocks[0][0].nbytes
-    return [BlockRow(b, i, nbytes) for b in blocks for i in range(len(b))]
+def kept_copies(rows: list[torch.Tensor]) -> list[BlockRow]:
+    """The output cache's copies of equal-shaped ``rows`` (one device, one dtype), in order: the
+    rows stacked in blocks as :func:`copy_blocks` makes them, each row a :class:`BlockRow`."""
+    nbytes, new = rows[0].nbytes, tuple.__new__
+    return [new(BlockRow, (b, i, nbytes)) for b in copy_blocks(rows) for i in range(len(b))]
 
 
 def own(row: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,7 @@ def compact(row):
     """The output cache's copy of a row found again: a view of a larger block, or a
     :class:`BlockRow`, becomes a compact copy (a clone); anything else is kept as it is."""
     if type(row) is BlockRow:
-        return row.block[row.index].clone()
+        return row[0][row[1]].clone()
     if type(row) is torch.Tensor and row._base is not None:
         return row.clone()
     return row

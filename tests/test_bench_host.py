@@ -164,7 +164,7 @@ def test_step_timeline_times_every_phase_and_unwraps():
 
     def parts():
         return (runner.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
-                runner.HFRunner._evict, OutputCache.put_many, front.copy_blocks,
+                runner.HFRunner._evict, OutputCache.put_many, front.kept_copies,
                 front.owned_copies)
 
     spec = importlib.util.spec_from_file_location("bench_step_timeline",

@@ -47,7 +47,7 @@ from .autocast import no_autocast
 from .batch_options import BatchOptions
 from .inputs import ContextChecker, check_lora, check_positive_int
 from ..query_future import done_future, failed_future
-from ..rows import block_rows, copy_blocks, copy_result, own, owned_copies
+from ..rows import copy_result, kept_copies, own, owned_copies
 
 
 class Front(BatchOptions):
@@ -304,12 +304,6 @@ class Front(BatchOptions):
         if rows:
             self.cache.put_many(rows)
 
-    def _store_copies(self, queries, rows) -> None:
-        """:meth:`_store` of copies of equal-shaped tensor ``rows`` (of cacheable ``queries``) in
-        blocks (:func:`genback.rows.copy_blocks`), each kept as a :class:`~genback.rows.BlockRow`."""
-        self.cache.put_many(zip([q.without_parent() for q in queries],
-                                block_rows(copy_blocks(rows))))
-
     def _compute(self, queries: list[Query]) -> list:
         """One result per query: a row cached since the query was submitted, else the runner's
         result, or the exception that fails only that query (its adapter was removed while it
@@ -343,15 +337,17 @@ class Front(BatchOptions):
     def _compute_owned(self, queries: list[Query]) -> list:
         """:meth:`_compute` for the batcher, whose callers get rows of their own
         (:mod:`genback.rows`): fresh host rows as they are, the cache keeping copies
-        (:meth:`_store_copies`); other rows copied in blocks (:func:`~genback.rows.owned_copies`)."""
+        (:func:`~genback.rows.kept_copies`); others copied (:func:`~genback.rows.owned_copies`)."""
         results, todo, computed = self._run(queries)
         fresh = [i for i in todo if queries[i].cacheable and type(results[i]) is torch.Tensor]
         mine = set(fresh) if fresh and results[fresh[0]].is_cpu else ()  # (handed as they are)
         if len(mine) < len(todo):  # (all of them, or the failures and uncacheable results)
             rest = [i for i in todo if i not in mine]
             self._store([queries[i] for i in rest], [results[i] for i in rest])
-        if mine:
-            self._store_copies([queries[i] for i in fresh], [results[i] for i in fresh])
+        if mine:  # (the cache's copies, in blocks: genback.rows.kept_copies)
+            every = len(fresh) == len(queries)  # (mostly: the lists as they are)
+            self.cache.put_many(zip([queries[i].without_parent() for i in fresh],
+                                    kept_copies(results if every else [results[i] for i in fresh])))
         at = [i for i, (q, r) in enumerate(zip(queries, results)) if q.cacheable and
               isinstance(r, torch.Tensor) and i not in mine] if len(mine) < len(queries) else ()
         for i, row in zip(at, owned_copies([results[i] for i in at]) if at else ()):

@@ -27,8 +27,6 @@ import threading
 from collections import OrderedDict
 from typing import Hashable
 
-import torch
-
 from ..rows import compact
 
 
@@ -102,12 +100,12 @@ class OutputCache:
                     held -= _nbytes(old)
                     del rows[key]
                     rows[key] = row
-                held += row.nbytes if type(row) is torch.Tensor else _nbytes(row)
+                held += 0 if row is None else row.nbytes  # (_nbytes, inline: a frame per row)
             for _ in range(len(rows) - self.max_entries):  # the least recently used go
                 gone, dropped = rows.popitem(last=False)
                 if devices:
                     devices.pop(gone, None)
-                held -= _nbytes(dropped)
+                held -= 0 if dropped is None else dropped.nbytes  # (_nbytes, inline)
             self.bytes_held = held
 
     def drop(self, predicate) -> int:
