@@ -17,10 +17,12 @@ work is made of) under four conditions, median over ``--repeats`` runs (µs per 
   caches' sizes, as a probe).
 
 The model is ``bench_host.py``'s tiny Llama (:mod:`tiny_lm`), the forward plain transformers
-(no genback), one thread. What it shows: how much of a step's host time on this machine is the
+(no genback), one thread; ``--device cuda`` runs the forwards on a GPU (each followed by a
+synchronisation, as a step reads its logits), so that what is left is the host's own share of
+the effect: the forward's Python and dispatcher code, not its compute. What it shows: how much of a step's host time on this machine is the
 distance of its code and data after the forward, not the work (``benchmarks/RESULTS.md``).
 
-Run: ``taskset -c 1 python benchmarks/bench_cold_ops.py``.
+Run: ``taskset -c 1 python benchmarks/bench_cold_ops.py`` (``--device cuda`` on a GPU host).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_lm  # noqa: E402
+
+from genback.runners.hf.forward.tree_cache import cache_argument, returned_cache  # noqa: E402
 
 OPS = ("inference_mode", "from_numpy", "from_numpy again", "empty", "log_softmax", "unbind",
        "NumPy mask", "dict of R")
@@ -78,18 +82,22 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--tokens", type=int, default=101, help="T: tokens per row of the forward")
     p.add_argument("--sweep-mib", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--device", default="cpu", help="where the forwards run (the ops: the CPU)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     tok = tiny_lm.tiny_tokenizer()
-    model = tiny_lm.tiny_model(len(tok)).eval()
+    dev = torch.device(args.device)
+    model = tiny_lm.tiny_model(len(tok)).eval().to(dev)
     run = sequence(args.rows, len(tok))
-    wide = torch.zeros((args.rows, args.tokens), dtype=torch.long)
-    one = torch.zeros((1, 1), dtype=torch.long)
+    wide = torch.zeros((args.rows, args.tokens), dtype=torch.long, device=dev)
+    one = torch.zeros((1, 1), dtype=torch.long, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def forward(x):
         def before():
             with torch.inference_mode():
                 model(input_ids=x)
+            sync()
         return before
 
     def sweep(mib):
@@ -100,13 +108,14 @@ def main(argv=None) -> list[dict]:
         return before
 
     with torch.inference_mode():
-        cache = model(input_ids=wide, use_cache=True).past_key_values
-    column = wide[:, :1]
+        cache = returned_cache(model(input_ids=wide, use_cache=True))
+    column, cached = wide[:, :1], cache_argument(model, cache)  # (the name by transformers')
 
     def decode():
         with torch.inference_mode():
-            model(input_ids=column, past_key_values=cache, use_cache=True)
-        cache.crop(args.tokens)
+            model(input_ids=column, use_cache=True, **cached)
+        sync()
+        cache.crop(-1)  # (the one token added)
 
     conditions = [("back to back", None), ("after a 1-token forward", forward(one)),
                   (f"after a decode step ({args.rows} rows, {args.tokens}-token cache)", decode),
@@ -122,7 +131,8 @@ def main(argv=None) -> list[dict]:
         med = [statistics.median(col) * 1e6 for col in zip(*times)]
         cells.append({"condition": name, **dict(zip(OPS, med)), "sum": sum(med)})
     warm = cells[0]["sum"]
-    print(f"tiny model, R = {args.rows}, median of {args.repeats} runs, µs per operation\n")
+    print(f"tiny model, forwards on {dev}, R = {args.rows}, median of {args.repeats} runs, "
+          "µs per operation\n")
     print("| condition | " + " | ".join(OPS) + " | sum | sum / back to back |")
     print("|---" * (len(OPS) + 3) + "|")
     for c in cells:
