@@ -18,10 +18,12 @@
 #   bash benchmarks/gpu_session.sh cascade   # the captured step with and without level 0 (item 3)
 #   bash benchmarks/gpu_session.sh long      # 320 steps, no resampling: rows' own pasts pass 255
 #                                            # tokens, the step runs in chunks of rows (split)
+#   bash benchmarks/gpu_session.sh cold      # a step's host operations right after a forward on
+#                                            # the GPU (and on this host's CPU) vs back to back
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | 8b | 1b | trie | cascade | long"}
+part=${1:?"part: all | tests | 8b | 1b | trie | cascade | long | cold"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -51,7 +53,7 @@ case "$part" in
         # BUDGET seconds (default 560); after each part the logs so far are packed into
         # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
-    for step in tests::90 8b:new:200 1b:new:150 trie::150 8b:old:100 1b:old:80 cascade::150 long::200; do
+    for step in tests::90 8b:new:200 1b:new:150 trie::150 cold::40 8b:old:100 1b:old:80 cascade::150 long::200; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -87,5 +89,11 @@ case "$part" in
         --resample 1000 --no-loop --genback auto,off --json "$out/$shape-long.json" 2>&1 \
         | tee "$out/$shape-long.log"
     done ;;
-  *) echo "unknown part $part (tests | 8b | 1b | trie | cascade | long)" >&2; exit 2 ;;
+  cold)  # how much slower a step's host operations run right after a forward (issue 38, part 3:
+    # on the CPU 2-4x; here the forward's compute is on the GPU, its Python and dispatcher not)
+    for dev in cuda cpu; do
+      python3 benchmarks/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
+        | tee -a "$out/cold.log"
+    done ;;
+  *) echo "unknown part $part (tests | 8b | 1b | trie | cascade | long | cold)" >&2; exit 2 ;;
 esac
