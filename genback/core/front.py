@@ -344,7 +344,7 @@ class Front(BatchOptions):
         if len(mine) < len(todo):  # (all of them, or the failures and uncacheable results)
             rest = [i for i in todo if i not in mine]
             self._store([queries[i] for i in rest], [results[i] for i in rest])
-        if mine:  # (the cache's copies, in blocks: genback.rows.kept_copies)
+        if mine and self.cache.max_entries:  # (the cache's copies: none when it keeps none)
             every = len(fresh) == len(queries)  # (mostly: the lists as they are)
             self.cache.put_many(zip([queries[i].without_parent() for i in fresh],
                                     kept_copies(results if every else [results[i] for i in fresh])))
