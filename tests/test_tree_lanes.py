@@ -96,6 +96,43 @@ def test_segments_shared_by_some_rows_follow_their_rows(tiny_hf, gpt2_tok, monke
         lm.close()
 
 
+def test_a_decode_step_with_no_padded_row_attends_without_a_mask(tiny_hf, gpt2_tok,
+                                                                 monkeypatch):
+    """Particles over two prompts of different lengths, nothing read as shared (every past
+    private, so the shorter rows are left-padded), then all resampled onto one prompt (no row
+    padded): a decode step builds its mask exactly when a row is padded, and every row equals
+    an uncached forward either way."""
+    seen = []
+    tree_batch = tree_forward._tree_batch
+
+    def spy_batch(pool, shared, layout, pads, slots, R, m, known=None):
+        batch = tree_batch(pool, shared, layout, pads, slots, R, m, known)
+        if m == 1:
+            seen.append((bool(pads.any()), batch.mask is None))
+        return batch
+
+    monkeypatch.setattr(tree_forward, "_tree_batch", spy_batch)
+    rng = random.Random(9)
+    prompts = [[100 + rng.randrange(50) for _ in range(n)] for n in (30, 37)]
+    parts = [list(prompts[i % 2]) for i in range(6)]
+    trace = []
+    for step in range(10):
+        if step == 5:  # every particle onto the longer prompt: pasts of one length
+            parts = [list(parts[1]) for _ in range(6)]
+        for p in parts:
+            p.append(100 + rng.randrange(50))
+        trace.append([list(p) for p in parts])
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          min_shared_tokens=1000)
+    try:
+        assert lm.runner.decode_step is None  # (the tree path)
+        assert _run_trace(lm, trace, {}) <= 1e-5
+    finally:
+        lm.close()
+    assert all(padded != unmasked for padded, unmasked in seen)
+    assert {padded for padded, _ in seen} == {True, False}
+
+
 def test_rows_of_another_adapter_or_a_stale_pool_are_not_reused():
     """``Lanes.rows``: each path's row by its parent context's identity; None for a group of
     another adapter, after the pool freed slots, once a full layout is due, or for a parent

@@ -74,7 +74,8 @@ class TreeBatch:
     (:meth:`..plan.segments.PrivatePasts.layout`), or None when no row has a private past (P == 0);
     ``out``: the ``[2, kv_heads, R * (P + m), dim]`` buffer each layer's layout is gathered
     into; ``mask``: bool ``[R, 1, m, P + m]`` (True = attend) for the private past and the new
-    tokens.
+    tokens, or None when every row attends to every column (a decode step, ``m == 1``, with
+    no row padded: no mask is built, and the attention runs without one).
     """
 
     segments: list[Segment]
@@ -82,7 +83,7 @@ class TreeBatch:
     new_slots: torch.Tensor
     index: torch.Tensor | None
     P: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     out: torch.Tensor | None = None
     _bias: dict = field(default_factory=dict, repr=False)  # (groups, dtype) -> bias
 
@@ -91,9 +92,10 @@ class TreeBatch:
         shares it): ``[R, 1, groups * m, P + m]`` of ``dtype``, 0 where a query attends and
         ``-inf`` where it does not. Its rows are padded to a multiple of 16 columns (the
         alignment CUDA's fused attention asks of a bias), the padding sliced off. One per
-        ``(groups, dtype)``: layers with other head ratios get their own."""
+        ``(groups, dtype)``: layers with other head ratios get their own. None when ``mask``
+        is (nothing masked)."""
         bias = self._bias.get((groups, dtype))
-        if bias is None:
+        if bias is None and self.mask is not None:
             R, _, m, L = self.mask.shape
             width = -(-L // 16) * 16
             full = torch.zeros((R, 1, groups, m, width), dtype=dtype, device=self.mask.device)

@@ -119,7 +119,10 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
     # NumPy one on the host): each row's left padding of the private past masked (columns <
     # pad), the new tokens causal
     if m == 1:  # a decode step: its one new token (column P >= every row's padding) attended
-        mask = (np.arange(P + 1) >= pads[:, None]).reshape(R, 1, 1, P + 1)
+        # no row padded (mostly: the rows of an SMC step have pasts of one length): every row
+        # attends to every column, and the attention needs no mask
+        mask = ((np.arange(P + 1) >= pads[:, None]).reshape(R, 1, 1, P + 1) if pads.any()
+                else None)
     else:
         mask = np.empty((R, 1, m, P + m), dtype=bool)
         mask[:, 0, :, :P] = (np.arange(P) >= pads[:, None])[:, None, :]
@@ -140,7 +143,8 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
         segments.append(attention.Segment(
             hit[1], hit[2], len(seg_slots), None if len(idx) == R else as_long(idx, dev),
             len(idx)))
-    slots, mask = torch.from_numpy(slots.ravel()), torch.from_numpy(mask)
+    slots = torch.from_numpy(slots.ravel())
+    mask = None if mask is None else torch.from_numpy(mask)
     if not cpu:
-        slots, mask = slots.to(dev), mask.to(dev)
+        slots, mask = slots.to(dev), None if mask is None else mask.to(dev)
     return attention.TreeBatch(segments, pool, slots, index, P, mask, out)
