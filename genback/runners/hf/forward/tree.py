@@ -26,6 +26,8 @@ from .logits import output_spans, run_model
 from .results import outputs
 from .tree_cache import TreeCache
 
+_max = np.maximum.reduce  # (ndarray.max / .any without their Python wrappers)
+
 
 class TreeForward:
     """The tree forward of the runner's model over its pool (one per runner).
@@ -121,7 +123,7 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
     if m == 1:  # a decode step: its one new token (column P >= every row's padding) attended
         # no row padded (mostly: the rows of an SMC step have pasts of one length): every row
         # attends to every column, and the attention needs no mask
-        mask = ((np.arange(P + 1) >= pads[:, None]).reshape(R, 1, 1, P + 1) if pads.any()
+        mask = ((np.arange(P + 1) >= pads[:, None]).reshape(R, 1, 1, P + 1) if _max(pads)
                 else None)
     else:
         mask = np.empty((R, 1, m, P + m), dtype=bool)
