@@ -91,6 +91,9 @@ def scenario(lm: AsyncTransformer) -> list[tuple[list[int], torch.Tensor]]:
 OPTIONS = {
     "tree-shared": dict(attention="tree", min_shared_tokens=1),
     "tree-gathered": dict(attention="tree", min_shared_tokens=1 << 20),
+    # uniform steps through the tree forward, not the decode step (on CUDA: what a LoRA
+    # adapter's steps take); mostly no row padded, so no mask (forward/tree.py)
+    "tree-steps": dict(attention="tree", min_shared_tokens=1, decode="off"),
     "dense": dict(attention="dense"),
     "evicting": dict(kv_budget_bytes=200 * TOKEN_BYTES, row_cache_size=0),
     "chunked": dict(max_forward_bytes=1 << 20),
@@ -110,9 +113,27 @@ def _errors(lm, pairs, ref_lm=None) -> list[float]:
     return out
 
 
+def _count_unmasked_steps(monkeypatch) -> list:
+    """The tree forward's decode steps built without a mask (no row padded), listed as they
+    run (their row counts)."""
+    from genback.runners.hf.forward import tree
+
+    seen, tree_batch = [], tree._tree_batch
+
+    def counted(pool, shared, layout, pads, slots, R, m, known=None):
+        batch = tree_batch(pool, shared, layout, pads, slots, R, m, known)
+        if batch.mask is None:
+            seen.append(R)
+        return batch
+
+    monkeypatch.setattr(tree, "_tree_batch", counted)
+    return seen
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("option", sorted(OPTIONS))
-def test_cached_paths_fp32_match_uncached(tiny_hf, gpt2_tok, device, option):
+def test_cached_paths_fp32_match_uncached(tiny_hf, gpt2_tok, device, option, monkeypatch):
+    unmasked = _count_unmasked_steps(monkeypatch)
     lm = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok, batch_window=0.01,
                           **OPTIONS[option])
     try:
@@ -121,6 +142,8 @@ def test_cached_paths_fp32_match_uncached(tiny_hf, gpt2_tok, device, option):
             assert lm.cache_info()["evictions"] > 0
         if option.startswith("tree"):
             assert lm.cache_info()["attention"].startswith("tree")
+        if option == "tree-steps":  # (steps laid out from lanes, some with no mask)
+            assert lm.cache_info()["tree_lane_steps"] > 0 and unmasked
     finally:
         lm.close()
     assert max(errs) <= FP32_TOL, (option, max(errs))
@@ -159,7 +182,7 @@ def test_scoring_and_device_sampler_fp32(tiny_hf, gpt2_tok, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("option", ["tree-shared", "dense"])
+@pytest.mark.parametrize("option", ["tree-shared", "tree-steps", "dense"])
 def test_cached_paths_bf16_no_worse_than_dense(tiny_hf, gpt2_tok, device, option):
     """bf16 rows against the fp32 uncached forward: genback's cached paths within
     ``BF16_FACTOR`` times the error of an uncached bf16 forward of the same context."""
