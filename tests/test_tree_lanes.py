@@ -50,6 +50,34 @@ def _spy_on_layouts(monkeypatch) -> list:
     return checked
 
 
+def _spy_on_masks(monkeypatch) -> list:
+    """Record, at every tree forward of one new token per path, ``(a row is padded, no mask
+    was built)``; returns the list it fills."""
+    seen = []
+    tree_batch = tree_forward._tree_batch
+
+    def spy_batch(pool, shared, layout, pads, slots, R, m, known=None):
+        batch = tree_batch(pool, shared, layout, pads, slots, R, m, known)
+        if m == 1:
+            seen.append((bool(pads.any()), batch.mask is None))
+        return batch
+
+    monkeypatch.setattr(tree_forward, "_tree_batch", spy_batch)
+    return seen
+
+
+def _extended_trace(rng: random.Random, parts: list, steps: int, resample) -> list:
+    """The contexts of ``steps`` steps: each step ``parts = resample(step, parts)``, then every
+    particle extended by one random token."""
+    trace = []
+    for step in range(steps):
+        parts = resample(step, parts)
+        for p in parts:
+            p.append(100 + rng.randrange(50))
+        trace.append([list(p) for p in parts])
+    return trace
+
+
 def test_tree_steps_from_the_last_steps_rows_read_the_trees_slots(tiny_hf, gpt2_tok,
                                                                   monkeypatch):
     """SMC with resampling over more steps than a lane table lives, on the tree path (the CPU's
@@ -79,13 +107,13 @@ def test_segments_shared_by_some_rows_follow_their_rows(tiny_hf, gpt2_tok, monke
     rng = random.Random(4)
     prompts = [[100 + rng.randrange(50) for _ in range(40)] for _ in range(2)]
     parts = [list(prompts[i % 2]) for i in range(8)]
-    trace = []
-    for step in range(12):
-        if step and step % 4 == 0:  # resampling: the prompts' shares of rows change
-            parts = [list(parts[rng.choice([0, 2, 4, 1])]) for _ in range(8)]
-        for p in parts:
-            p.append(100 + rng.randrange(50))
-        trace.append([list(p) for p in parts])
+
+    def resample(step, parts):  # every 4 steps: the prompts' shares of rows change
+        if step and step % 4 == 0:
+            return [list(parts[rng.choice([0, 2, 4, 1])]) for _ in range(8)]
+        return parts
+
+    trace = _extended_trace(rng, parts, 12, resample)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           min_shared_tokens=8)
     try:
@@ -102,26 +130,13 @@ def test_a_decode_step_with_no_padded_row_attends_without_a_mask(tiny_hf, gpt2_t
     private, so the shorter rows are left-padded), then all resampled onto one prompt (no row
     padded): a decode step builds its mask exactly when a row is padded, and every row equals
     an uncached forward either way."""
-    seen = []
-    tree_batch = tree_forward._tree_batch
-
-    def spy_batch(pool, shared, layout, pads, slots, R, m, known=None):
-        batch = tree_batch(pool, shared, layout, pads, slots, R, m, known)
-        if m == 1:
-            seen.append((bool(pads.any()), batch.mask is None))
-        return batch
-
-    monkeypatch.setattr(tree_forward, "_tree_batch", spy_batch)
+    seen = _spy_on_masks(monkeypatch)
     rng = random.Random(9)
     prompts = [[100 + rng.randrange(50) for _ in range(n)] for n in (30, 37)]
     parts = [list(prompts[i % 2]) for i in range(6)]
-    trace = []
-    for step in range(10):
-        if step == 5:  # every particle onto the longer prompt: pasts of one length
-            parts = [list(parts[1]) for _ in range(6)]
-        for p in parts:
-            p.append(100 + rng.randrange(50))
-        trace.append([list(p) for p in parts])
+    # at step 5 every particle onto the longer prompt: pasts of one length
+    trace = _extended_trace(rng, parts, 10, lambda step, parts: (
+        [list(parts[1]) for _ in range(6)] if step == 5 else parts))
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           min_shared_tokens=1000)
     try:
