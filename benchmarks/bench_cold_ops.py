@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # genback from a checkout
 import tiny_lm  # noqa: E402
 
 from genback.runners.hf.forward.tree_cache import cache_argument, returned_cache  # noqa: E402

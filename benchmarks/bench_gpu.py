@@ -123,6 +123,8 @@ STEP_OPTIONS = {
     "-dense": ("min_prefix", sys.maxsize),  # the decode step without level 0 (the crossover)
     "-cascade": ("level0_min_tokens", 0),  # level 0 whenever rows share a token (the crossover)
     "-fused": ("fused", True),  # norms and the cascade's merge compiled
+    "-normop": ("norm_op", True),  # norms through torch's rms_norm operator (CUDA's default)
+    "-modelnorm": ("norm_op", False),  # the model's own norms (the default elsewhere)
 }
 
 
@@ -146,7 +148,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     lm.scheduler.inline_cohort = not worker
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
-        raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0 and -fused set the decode "
+        raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -fused, -normop and "
+                         "-modelnorm set the decode "
                          f"step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
     for name, value in options:
@@ -385,7 +388,9 @@ def parse(argv):
                          "every step on the batcher's worker thread, as before inline steps; -flash0 "
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
                          "256 keys (DecodeStep.flash_level0); -fused compiles the RMSNorms and "
-                         "the cascade's merge (DecodeStep.fused); "
+                         "the cascade's merge (DecodeStep.fused); -normop / -modelnorm run "
+                         "the norms through torch's rms_norm operator / the model's own "
+                         "(DecodeStep.norm_op: on by default on CUDA); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "

