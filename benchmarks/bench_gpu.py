@@ -120,6 +120,7 @@ async def _awaited(awaitable):
 # mode suffixes that set the decode step's options: (attribute, value)
 STEP_OPTIONS = {
     "-flash0": ("flash_level0", True),  # level 0 unmasked but for its last 256 keys
+    "-noflash0": ("flash_level0", False),  # level 0 with its bias (default: by its size)
     "-dense": ("min_prefix", sys.maxsize),  # the decode step without level 0 (the crossover)
     "-cascade": ("level0_min_tokens", 0),  # level 0 whenever rows share a token (the crossover)
     "-fused": ("fused", True),  # norms and the cascade's merge compiled
@@ -148,8 +149,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     lm.scheduler.inline_cohort = not worker
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
-        raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -fused, -normop and "
-                         "-modelnorm set the decode "
+        raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -noflash0, -fused, "
+                         "-normop and -modelnorm set the decode "
                          f"step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
     for name, value in options:
@@ -387,7 +388,8 @@ def parse(argv):
                          "a token, to find where it pays; a suffix -worker runs "
                          "every step on the batcher's worker thread, as before inline steps; -flash0 "
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
-                         "256 keys (DecodeStep.flash_level0); -fused compiles the RMSNorms and "
+                         "256 keys (DecodeStep.flash_level0; -noflash0: never; default: on "
+                         "CUDA by its size); -fused compiles the RMSNorms and "
                          "the cascade's merge (DecodeStep.fused); -normop / -modelnorm run "
                          "the norms through torch's rms_norm operator / the model's own "
                          "(DecodeStep.norm_op: on by default on CUDA); "

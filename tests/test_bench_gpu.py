@@ -107,10 +107,11 @@ def test_the_decode_step_option_modes_run_the_decode_step():
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "4", "--resample", "2", "--no-loop",
                           "--genback", "eager,eager-dense,eager-cascade,eager-flash0,eager-fused,"
-                          "eager-normop"])
+                          "eager-normop,eager-noflash0"])
     (cell,) = out["cells"]
     for name in ("genback", "genback[eager-dense]", "genback[eager-cascade]",
-                 "genback[eager-flash0]", "genback[eager-fused]", "genback[eager-normop]"):
+                 "genback[eager-flash0]", "genback[eager-fused]", "genback[eager-normop]",
+                 "genback[eager-noflash0]"):
         assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
     for mode in ("auto-flash0", "auto-dense", "auto-cascade", "auto-fused", "auto-modelnorm"):

@@ -206,16 +206,24 @@ def _assert_bf16_no_worse_than_dense(lm, ref32, pairs) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chosen", ["set", "default"])
 def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_tok, device,
-                                                                 monkeypatch):
+                                                                 chosen, monkeypatch):
     """The decode step with ``flash_level0`` (level 0's keys before its last 256 attended
     without a bias: FlashAttention-2 on CUDA), over a 400-token prompt (a prefix bucket of 512):
     bf16 rows within ``BF16_FACTOR`` times an uncached bf16 forward's error against fp32, and on
-    CUDA every captured graph verified."""
+    CUDA every captured graph verified. ``set``: ``flash_level0 = True``; ``default``: None,
+    with the size from which it pays (``FLASH0_MIN_WORK``) lowered to this small step's, so
+    that it runs by default on CUDA and not on the CPU."""
+    from genback.runners.hf.decode import step as decode_step
     ref32 = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok)
     lm = AsyncTransformer(model_on(tiny_hf, device, torch.bfloat16), gpt2_tok, batch_window=0.01,
                           decode="auto" if device == "cuda" else "eager")
-    lm.runner.decode_step.flash_level0 = True
+    if chosen == "set":
+        lm.runner.decode_step.flash_level0 = True
+    else:
+        assert lm.runner.decode_step.flash_level0 is None
+        monkeypatch.setattr(decode_step, "FLASH0_MIN_WORK", 8 * 512)  # (8 rows x 512 keys)
     from genback.runners.hf.forward import attention
     kernels, attend = [], attention._attend
     monkeypatch.setattr(attention, "_attend",
@@ -238,7 +246,8 @@ def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_
         pairs = asyncio.run(run())
         info = lm.cache_info()
         assert info["decode_steps"] >= 5 and info["decode_graphs_rejected"] == 0
-        assert "flash2" in kernels  # (the unmasked part of level 0 ran)
+        # (the unmasked part of level 0 ran: set, or by default on CUDA only)
+        assert ("flash2" in kernels) == (chosen == "set" or device == "cuda")
         if device == "cuda":
             assert info["decode_graphs_verified"] >= 1
         _assert_bf16_no_worse_than_dense(lm, ref32, pairs)

@@ -70,6 +70,22 @@ from .graphs import StepGraphs
 
 NAME = "genback_decode"
 
+# stacked queries x prefix keys from which level 0 runs unmasked by default on CUDA
+# (flash_level0_pays)
+FLASH0_MIN_WORK = 1 << 22
+
+
+def flash_level0_pays(queries: int, keys: int) -> bool:
+    """Whether level 0 of a bucket with ``queries`` stacked queries (rows x query heads per KV
+    head) over a ``keys``-slot prefix bucket runs its keys before the last 256 unmasked
+    (``DecodeStep.flash_level0`` None, on CUDA): from :data:`FLASH0_MIN_WORK` on. Measured on
+    an H200, 8B Llama shape, bf16 (``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200
+    (session 57)"): GPU time a step, unmasked / with the bias, 1,024 queries x 4,096 keys 19.9 /
+    22.6 ms (the masked memory-efficient kernel 8.1 ms of it); 1,024 x 1,024 17.9 / 17.6; 64 x
+    1,024 9.7 / 9.2 and 64 x 4,096 14.3 / 13.3 (FlashAttention's split-KV and combine kernels
+    and the extra masked chunk cost more than they save)."""
+    return queries * keys >= FLASH0_MIN_WORK
+
 # most rows x table width one forward of the step may have (the level-1 gather is [2, kv_heads,
 # rows * width, head_dim] per layer); a wider step is run in chunks of rows (MAX_CHUNKS)
 MAX_TABLE_SLOTS = 1 << 16
@@ -138,10 +154,11 @@ class DecodeStep:
             faster; at 64 rows, or from 500 tokens on, the cascade (up to 2.1x).
         flash_level0: level 0's real keys attended without a bias, by FlashAttention-2's
             kernel on CUDA in bf16 / fp16, and only its last 256 keys (where the prefix's
-            padding lies) with one (:func:`.cascade._prefix_chunks`); default False (the
-            memory-efficient kernel with a bias over the whole prefix) until a GPU session
-            measures it (``bench_gpu.py --genback auto-flash0``). Set it before the first
-            step: a captured graph keeps the kernels it was captured with.
+            padding lies) with one (:func:`.cascade._prefix_chunks`); False: the
+            memory-efficient kernel with a bias over the whole prefix; None (default): on CUDA
+            in bf16 / fp16 where a bucket's level 0 is large (:func:`flash_level0_pays`),
+            elsewhere off. Set
+            it before the first step: a captured graph keeps the kernels it was captured with.
         norm_op: the model's RMSNorms run as torch's ``rms_norm`` operator (:mod:`.fused`'s
             :func:`~.fused.rms_norm_op`: on CUDA one fused kernel and the weight's product for
             transformers' 8) during the step's forwards; default True on CUDA (measured in
@@ -175,7 +192,7 @@ class DecodeStep:
         self.steps = self.lane_steps = self.split_steps = 0
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
-        self.flash_level0 = False
+        self.flash_level0: bool | None = None
         self.norm_op = pool.device.type == "cuda"
         self.fused = False
         self._norms: FusedNorms | None = None
@@ -331,7 +348,12 @@ class DecodeStep:
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = DecodeBuffers(self.pool, key, self.groups, self.vocab)
-            buf.flash0, buf.fused = self.flash_level0, self.fused
+            flash0 = self.flash_level0
+            if flash0 is None:
+                flash0 = (self.pool.device.type == "cuda"
+                          and self.pool.dtype in (torch.bfloat16, torch.float16)
+                          and flash_level0_pays(key[0] * self.groups, key[2]))
+            buf.flash0, buf.fused = flash0, self.fused
         buf.fill(layout)
         self.steps += 1
         self.graphs.run(buf, self._forward, R)
@@ -352,4 +374,4 @@ class DecodeStep:
             buf.logits.copy_(out.logits[:, -1])
 
 
-__all__ = ["Chunk", "DecodeStep", "bucket"]
+__all__ = ["Chunk", "DecodeStep", "FLASH0_MIN_WORK", "bucket", "flash_level0_pays"]
