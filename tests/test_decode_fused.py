@@ -41,9 +41,11 @@ def test_every_listed_norm_is_llamas_and_rms_norm_computes_it():
         x = torch.randn(3, 1, 64, dtype=dtype)
         assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x)), dtype
         x = torch.randn(64, 1, 64, dtype=dtype) * 3
-        want, got = norm(x).float(), rms_norm_op(x, norm.weight, norm.variance_epsilon).float()
+        want, got = norm(x), rms_norm_op(x, norm.weight, norm.variance_epsilon)
+        assert got.dtype == want.dtype == dtype
+        want, got = want.float(), got.float()
         unit = 2e-6 if dtype == torch.float32 else 2 ** -7  # (float32's, bf16's relative unit)
-        assert got.dtype == want.dtype and torch.all((got - want).abs() <= unit * want.abs())
+        assert torch.all((got - want).abs() <= unit * want.abs())
         assert float((got != want).float().mean()) <= (0.5 if dtype == torch.float32 else 0.02)
 
 

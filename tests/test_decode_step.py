@@ -355,8 +355,8 @@ def test_level0_runs_unmasked_by_default_where_it_was_measured_to_pay():
     """``flash_level0`` None (the default) runs level 0 unmasked on CUDA in half precision from
     ``FLASH0_MIN_WORK`` stacked queries x prefix keys: the H200 cells of ``benchmarks/RESULTS.md``
     (session 57) on their measured side: 1,024 x 4,096 paid (GPU 19.9 against 22.6 ms a step),
-    1,024 x 1,024, 64 x 1,024 and 64 x 4,096 did not; and off on the CPU, whatever its size
-    (the CUDA tests run it by default, ``test_cuda.py``)."""
+    1,024 x 1,024, 64 x 1,024 and 64 x 4,096 did not. (That the default runs it on CUDA and
+    not on the CPU, whatever the size: ``test_cuda.py``'s level-0 test, ``default`` case.)"""
     from genback.runners.hf.decode.step import FLASH0_MIN_WORK, flash_level0_pays
 
     assert flash_level0_pays(1024, 4096) and flash_level0_pays(4096, FLASH0_MIN_WORK // 4096)

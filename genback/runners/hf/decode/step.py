@@ -157,18 +157,19 @@ class DecodeStep:
             padding lies) with one (:func:`.cascade._prefix_chunks`); False: the
             memory-efficient kernel with a bias over the whole prefix; None (default): on CUDA
             in bf16 / fp16 where a bucket's level 0 is large (:func:`flash_level0_pays`),
-            elsewhere off. Set
-            it before the first step: a captured graph keeps the kernels it was captured with.
+            elsewhere off. Set it before the first step: a captured graph keeps the kernels it
+            was captured with.
         norm_op: the model's RMSNorms run as torch's ``rms_norm`` operator (:mod:`.fused`'s
             :func:`~.fused.rms_norm_op`: on CUDA one fused kernel and the weight's product for
             transformers' 8) during the step's forwards; default True on CUDA (measured in
-            ``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200"), False elsewhere (on a
+            ``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 (session 57)"), False elsewhere (on a
             CPU the operator computes what the model's norm does). Set it before the first step.
         fused: the model's RMSNorms run as one ``torch.compile``'d function during the step's
             forwards (:mod:`.fused`: 8 kernels a norm become one or two) and the cascade's
-            levels are merged by a compiled :func:`.cascade.merge_levels`; default False until
-            a GPU session measures it (``bench_gpu.py --genback auto-fused``). Set it before
-            the first step; the first forwards compile (seconds).
+            levels are merged by a compiled :func:`.cascade.merge_levels`; default False (on an
+            H200 it took the least GPU time, but its first forwards compiled for 4-7 s:
+            ``benchmarks/RESULTS.md``, session 57; ``bench_gpu.py --genback auto-fused``). Set
+            it before the first step.
         graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
             and rejected buckets, graph memory).
         steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
