@@ -126,6 +126,8 @@ STEP_OPTIONS = {
     "-fused": ("fused", True),  # norms and the cascade's merge compiled
     "-normop": ("norm_op", True),  # norms through torch's rms_norm operator (CUDA's default)
     "-modelnorm": ("norm_op", False),  # the model's own norms (the default elsewhere)
+    "-ropeop": ("rope_op", True),  # RoPE through decode/rope.py (CUDA's default)
+    "-modelrope": ("rope_op", False),  # the model's own RoPE (the default elsewhere)
 }
 
 
@@ -150,7 +152,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
         raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -noflash0, -fused, "
-                         "-normop and -modelnorm set the decode "
+                         "-normop, -modelnorm, -ropeop and -modelrope set the decode "
                          f"step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
     for name, value in options:
@@ -392,7 +394,9 @@ def parse(argv):
                          "CUDA by its size); -fused compiles the RMSNorms and "
                          "the cascade's merge (DecodeStep.fused); -normop / -modelnorm run "
                          "the norms through torch's rms_norm operator / the model's own "
-                         "(DecodeStep.norm_op: on by default on CUDA); "
+                         "(DecodeStep.norm_op: on by default on CUDA); -ropeop / -modelrope "
+                         "run the rotary embeddings through decode/rope.py / the model's own "
+                         "(DecodeStep.rope_op: on by default on CUDA); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "

@@ -71,13 +71,14 @@ case "$part" in
     # files took over 150 s, most of it one CPU test). Interrupted (SIGINT), pytest still prints
     # its summary and durations.
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "cuda or captured" \
-      tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py 2>&1 \
-      | tee -i "$out/tests.log" ;;
-  norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator)
-    python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured" \
-      tests/test_decode_step.py 2>&1 | tee -i "$out/norms.log" ;;
-  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-noflash0,auto-flash0,auto/context}" ;;  # (level 0 with its bias / unmasked against the default, by size; -fused measured in session 57)
-  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto/context,off}" ;;  # (host-bound: context objects)
+      tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py \
+      tests/test_decode_rope.py 2>&1 | tee -i "$out/tests.log" ;;
+  norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator, its
+    # RoPE through decode/rope.py's) and the RoPE's own
+    python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured or rope" \
+      tests/test_decode_step.py tests/test_decode_rope.py 2>&1 | tee -i "$out/norms.log" ;;
+  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-modelrope,auto-noflash0,auto-flash0,auto/context}" ;;  # (the RoPE of decode/rope.py against the model's, session 58; level 0 with its bias / unmasked against the default, by size; -fused measured in session 57)
+  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-modelrope,auto/context,off}" ;;  # (host-bound: context objects)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;

@@ -177,8 +177,11 @@ def test_grouped_query_llama_decode_steps_equal_uncached(gpt2_tok, no_tf32, devi
             rows[mode] = _steps(lm, trace)
             info = lm.cache_info()
             assert info["decode_steps"] == len(trace)
-            if device == "cuda":  # (its norms through torch's rms_norm operator, the default)
-                assert lm.runner.decode_step.norm_op and lm.runner.decode_step._norms.count == 5
+            if device == "cuda":  # (its norms through torch's rms_norm operator, its RoPE
+                # through decode/rope.py's: the defaults)
+                step = lm.runner.decode_step
+                assert step.norm_op and step._norms.count == 5
+                assert step.rope_op and step._rope.count == 2
             if mode == "graphs":  # every capture checked at its first replay, and kept
                 assert info["decode_replays"] == len(trace) and info["decode_captures"] >= 1
                 assert info["decode_graphs_verified"] == info["decode_captures"]
@@ -208,6 +211,7 @@ def test_captured_decode_steps_in_bf16_are_no_worse_than_dense(gpt2_tok):
         rows = _steps(lm, trace)[-1]
         assert lm.cache_info()["decode_replays"] == len(trace)
         assert lm.runner.decode_step._norms.count == 5  # (torch's rms_norm operator: default)
+        assert lm.runner.decode_step._rope.count == 2  # (decode/rope.py's RoPE: default)
         with torch.inference_mode():
             for j in (0, len(trace[-1]) - 1):
                 ids = torch.tensor([trace[-1][j]], device="cuda")

@@ -67,6 +67,7 @@ from ..plan.segments import split_segments
 from .cascade import DecodeBuffers, StepLayout, decode_attention
 from .fused import FusedNorms
 from .graphs import StepGraphs
+from .rope import RopeOp
 
 NAME = "genback_decode"
 
@@ -164,6 +165,10 @@ class DecodeStep:
             transformers' 8) during the step's forwards; default True on CUDA (measured in
             ``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 (session 57)"), False elsewhere (on a
             CPU the operator computes what the model's norm does). Set it before the first step.
+        rope_op: the model's rotary position embeddings run as :func:`.rope.apply_rotary_pos_emb`
+            during the step's forwards (the same values bit for bit, 4 kernels for the query and
+            4 for the key of each layer where transformers runs 5 each: :mod:`.rope`); default
+            True on CUDA, False elsewhere. Set it before the first step.
         fused: the model's RMSNorms run as one ``torch.compile``'d function during the step's
             forwards (:mod:`.fused`: 8 kernels a norm become one or two) and the cascade's
             levels are merged by a compiled :func:`.cascade.merge_levels`; default False (on an
@@ -194,9 +199,10 @@ class DecodeStep:
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0: bool | None = None
-        self.norm_op = pool.device.type == "cuda"
+        self.norm_op = self.rope_op = pool.device.type == "cuda"
         self.fused = False
         self._norms: FusedNorms | None = None
+        self._rope: RopeOp | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
         self._split_age = 0  # steps split alike since the whole step was tried
@@ -367,7 +373,12 @@ class DecodeStep:
             if self._norms is None or self._norms.compiled != self.fused:
                 self._norms = FusedNorms(model, compiled=self.fused)
             norms = self._norms
-        with torch.inference_mode(), tree_attention.active(buf), norms, \
+        rope = contextlib.nullcontext()
+        if self.rope_op:
+            if self._rope is None:
+                self._rope = RopeOp(model)
+            rope = self._rope
+        with torch.inference_mode(), tree_attention.active(buf), norms, rope, \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
             out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,

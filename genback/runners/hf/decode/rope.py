@@ -1,0 +1,142 @@
+"""Rotary position embeddings with fewer kernels for the decode step: ``DecodeStep.rope_op`` (on
+by default on CUDA).
+
+A captured decode step on a GPU is bound at small row counts by the number of its kernels, not
+by their work (``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 (session 57)": an 8B
+Llama step at 16 rows spends ~3.2 ms of 8.2 in small kernels, and the host's graph launch grows
+with the graph's nodes). transformers' ``apply_rotary_pos_emb`` (RoPE: Su et al. 2021, "RoFormer",
+arXiv 2104.09864, in the half-split layout of GPT-NeoX and Llama) runs 5 kernels for each of the
+query and the key in every layer: ``rotate_half`` is a negation and a concatenation, then two
+products and a sum. :func:`apply_rotary_pos_emb` computes the same values in 4: the rotation is
+one ``torch.roll`` of the last dimension, and the negation moves onto the sine, once per
+forward (the model passes every layer the same ``sin`` tensor):
+
+    rotate_half(x) * sin == roll(x, h) * signed(sin),  signed(sin) = cat(-sin[:h'], sin[h':])
+
+element by element and bit for bit (``-a * b == a * -b`` in IEEE arithmetic; the products and
+the sum are transformers' own, in its order), so the rows are the model's own: 2 kernels fewer
+per layer (62 fewer per step on the 8B shape, 30 on the 1B).
+
+:class:`RopeOp` swaps it in for the modeling modules of the model's attention layers whose
+``apply_rotary_pos_emb`` is transformers' half-split form (checked by its code, and its
+``rotate_half``'s, against Llama's: most families share it) while the decode step runs a forward
+(warm-ups and captures: a replay runs what was captured), and puts theirs back after. The swap is
+of a module's global name, so during those forwards another thread's forward of a model of the
+same family runs it too, with the same results.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+from transformers.models.llama import modeling_llama
+
+_LOCK = threading.Lock()
+_SWAPPED: dict[str, tuple[int, object]] = {}  # module name -> (entries, its own function)
+_LAST: tuple = (None, None)  # (the last sin seen, its signed form): one per forward
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first ``D - D // 2`` columns negated (the part ``rotate_half`` negates),
+    computed once per ``sin`` tensor (the model passes one to all its layers)."""
+    global _LAST
+    last = _LAST
+    if last[0] is sin:
+        return last[1]
+    h = sin.shape[-1] - sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+    _LAST = (sin, signed)
+    return signed
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' ``apply_rotary_pos_emb`` (half-split RoPE), bit for bit, in fewer kernels.
+
+    q: [B, Hq, T, D]; k: [B, Hkv, T, D]; cos, sin: [B, T, D] (``unsqueeze_dim`` 1; 2 for
+    ``[B, T, H, D]`` inputs), of q's dtype and device. Returns ``(q_embed, k_embed)`` of q's and
+    k's shapes.
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = _signed(sin).unsqueeze(unsqueeze_dim)
+    shift = q.shape[-1] - q.shape[-1] // 2  # (rotate_half's second half comes first)
+    q_embed = (q * cos) + (q.roll(shift, -1) * sin)
+    k_embed = (k * cos) + (k.roll(shift, -1) * sin)
+    return q_embed, k_embed
+
+
+def _same_code(a, b) -> bool:
+    """Whether functions ``a`` and ``b`` compile to the same code (instructions, names,
+    constants but the docstring, defaults)."""
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (ca is not None and cb is not None and ca.co_code == cb.co_code
+            and ca.co_names == cb.co_names and ca.co_varnames == cb.co_varnames
+            and ca.co_consts[1:] == cb.co_consts[1:]
+            and getattr(a, "__defaults__", None) == getattr(b, "__defaults__", None))
+
+
+def is_half_split_rope(fn) -> bool:
+    """Whether ``fn`` is transformers' Llama ``apply_rotary_pos_emb``, or a family's copy of it
+    whose module's ``rotate_half`` is Llama's too (the same code: what :func:`apply_rotary_pos_emb`
+    computes)."""
+    glob = getattr(fn, "__globals__", {})
+    return (getattr(fn, "__module__", "").startswith("transformers.")
+            and _same_code(fn, modeling_llama.apply_rotary_pos_emb)
+            and _same_code(glob.get("rotate_half"), modeling_llama.rotate_half))
+
+
+class RopeOp:
+    """The modeling modules of ``model``'s attention layers whose RoPE :func:`apply_rotary_pos_emb`
+    replaces, and ``with rope:`` to run a forward with it (each module's own function is put
+    back at the end of the last ``with`` that swapped it, whichever thread it runs on).
+    ``count``: the attention layers it serves (0: none, the context does nothing)."""
+
+    def __init__(self, model: torch.nn.Module):
+        names, count = set(), 0
+        for m in model.modules():
+            forward = getattr(type(m), "forward", None)
+            uses = "apply_rotary_pos_emb" in getattr(getattr(forward, "__code__", None),
+                                                     "co_names", ())
+            module = sys.modules.get(type(m).__module__)
+            if uses and module is not None and is_half_split_rope(
+                    _SWAPPED.get(module.__name__, (0, getattr(module, "apply_rotary_pos_emb",
+                                                          None)))[1]):
+                names.add(module.__name__)
+                count += 1
+        self.modules = sorted(names)
+        self.count = count
+        self._entered: list[list[str]] = []  # per open ``with``: the modules it swapped
+
+    def __enter__(self) -> "RopeOp":
+        fn = apply_rotary_pos_emb  # (looked up now: a test may count its calls)
+        with _LOCK:
+            swapped = []
+            for name in self.modules:
+                module = sys.modules[name]
+                entries, own = _SWAPPED.get(name, (0, None))
+                if not entries:
+                    own = module.apply_rotary_pos_emb
+                    if not is_half_split_rope(own):  # (replaced since: left as it is)
+                        continue
+                    module.apply_rotary_pos_emb = fn
+                _SWAPPED[name] = (entries + 1, own)
+                swapped.append(name)
+            self._entered.append(swapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _LAST
+        with _LOCK:
+            for name in self._entered.pop():
+                entries, own = _SWAPPED[name]
+                if entries > 1:
+                    _SWAPPED[name] = (entries - 1, own)
+                else:
+                    del _SWAPPED[name]
+                    sys.modules[name].apply_rotary_pos_emb = own
+            if not _SWAPPED:
+                _LAST = (None, None)  # (no tensor of a forward kept past it)
+
+
+__all__ = ["RopeOp", "apply_rotary_pos_emb", "is_half_split_rope"]
