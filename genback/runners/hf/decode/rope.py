@@ -27,6 +27,7 @@ same family runs it too, with the same results.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 
@@ -96,6 +97,8 @@ class RopeOp:
         names, count = set(), 0
         for m in model.modules():
             forward = getattr(type(m), "forward", None)
+            if forward is not None:
+                forward = inspect.unwrap(forward)  # (through decorators that wrap it)
             uses = "apply_rotary_pos_emb" in getattr(getattr(forward, "__code__", None),
                                                      "co_names", ())
             module = sys.modules.get(type(m).__module__)
