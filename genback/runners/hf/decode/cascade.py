@@ -207,27 +207,30 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     Rb, Hkv, G, D = qg.shape
     Pb = b.prefix.shape[0]
     kv0 = b.pool.gather(layer, b.prefix)  # [2, Hkv, Pb, D]
-    q1 = qg.transpose(0, 1).reshape(1, Hkv, Rb * G, D)
+    qt = qg.transpose(0, 1)  # [Hkv, Rb, G, D], a view
     if not (b.flash0 and Pb > 256):
-        return _chunks(kv0, q1, scale, b.bias0, "flash")
+        return _chunks(kv0, qt, scale, b.bias0, "flash")
     head = Pb - 256
-    o, lse = _chunks(kv0[:, :, :head], q1, scale, None, "flash2")
-    N = q1.shape[2]
+    o, lse = _chunks(kv0[:, :, :head], qt, scale, None, "flash2")
+    N = Rb * G
+    q1 = qt.reshape(1, Hkv, N, D)
     o_t, lse_t = tree_attention._attend(q1, kv0[0, None, :, head:], kv0[1, None, :, head:],
                                         scale, "flash", b.bias0[..., head:].expand(1, 1, N, 256))
     return torch.cat([o, o_t]), torch.cat([lse, lse_t])
 
 
-def _chunks(kv0, q1, scale: float, bias0, kernel: str):
-    """``q1`` ``[1, Hkv, N, D]`` over keys and values ``kv0`` ``[2, Hkv, L, D]`` (``L`` a
-    multiple of 256) in ``S`` chunks attended in parallel, masked by ``bias0`` ``[1, 1, 1, L]``
-    (None: none): ``(o [S, Hkv, N, D], lse float32 [S, Hkv, N])``."""
+def _chunks(kv0, qt, scale: float, bias0, kernel: str):
+    """The queries ``qt`` ``[Hkv, Rb, G, D]`` (``N = Rb * G`` a KV head) over keys and values
+    ``kv0`` ``[2, Hkv, L, D]`` (``L`` a multiple of 256) in ``S`` chunks attended in parallel,
+    masked by ``bias0`` ``[1, 1, 1, L]`` (None: none): ``(o [S, Hkv, N, D], lse float32 [S, Hkv,
+    N])``. The queries of every chunk are laid out by one copy (one kernel: a view expanded
+    ``S`` times, made contiguous)."""
     _, Hkv, L, D = kv0.shape
-    N = q1.shape[2]
+    N = qt.shape[1] * qt.shape[2]
     S = _splits(L, Hkv, N)
     C = L // S
     k0 = kv0[0].reshape(Hkv, S, C, D).transpose(0, 1)  # [S, Hkv, C, D]
     v0 = kv0[1].reshape(Hkv, S, C, D).transpose(0, 1)
-    q0 = q1.expand(S, -1, -1, -1).contiguous() if S > 1 else q1
+    q0 = qt[None].expand(S, -1, -1, -1, -1).reshape(S, Hkv, N, D)
     bias = None if bias0 is None else bias0.view(S, 1, 1, C).expand(S, 1, N, C)
     return tree_attention._attend(q0, k0, v0, scale, kernel, bias)
