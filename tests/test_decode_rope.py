@@ -59,19 +59,28 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_rope_runs_two_operators_fewer_a_layer():
-    """A layer's RoPE (query and key) dispatches 10 operators in transformers and 8 here, once
-    the forward's signed sine is made (by the first layer: 2 more, once); a new ``sin``
-    tensor (the next forward's) makes a new one."""
+def test_rope_runs_two_operators_fewer_a_layer(gpt2_tok):
+    """Inside a RopeOp's ``with`` (genback's forward), a layer's RoPE (query and key)
+    dispatches 8 operators where transformers' dispatches 10, once the forward's signed sine is
+    made (by the first layer: 2 more, once); a new ``sin`` tensor (the next forward's) makes a
+    new one. Outside it (another thread's forward while the function is swapped) nothing is
+    kept: a ``sin`` whose values changed in place gives the new values' rotation."""
     q, k = torch.randn(4, 4, 1, 64), torch.randn(4, 2, 1, 64)
     cos, sin = torch.randn(4, 1, 64), torch.randn(4, 1, 64)
     counts = []
-    for fn, s in ((LLAMAS, sin), (apply_rotary_pos_emb, sin), (apply_rotary_pos_emb, sin),
-                  (apply_rotary_pos_emb, sin.clone())):
-        with _Ops() as c:
-            fn(q, k, cos, s)
-        counts.append(len(c.ops))
+    with RopeOp(_llama(len(gpt2_tok), "cpu", torch.float32)):
+        for fn, s in ((LLAMAS, sin), (apply_rotary_pos_emb, sin), (apply_rotary_pos_emb, sin),
+                      (apply_rotary_pos_emb, sin.clone())):
+            with _Ops() as c:
+                fn(q, k, cos, s)
+            counts.append(len(c.ops))
     assert counts == [10, 10, 8, 10]
+    with _Ops() as c:
+        apply_rotary_pos_emb(q, k, cos, sin)
+    assert len(c.ops) == 10
+    sin.mul_(-0.5)  # (a buffer reused with new values)
+    for a, b in zip(apply_rotary_pos_emb(q, k, cos, sin), LLAMAS(q, k, cos, sin)):
+        assert torch.equal(a, b)
 
 
 def test_the_half_split_check_takes_llamas_copies_and_no_other_form():
@@ -103,7 +112,7 @@ def test_rope_op_swaps_during_the_with_and_puts_back_after_the_last(gpt2_tok):
                 assert modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
         assert modeling_llama.apply_rotary_pos_emb is apply_rotary_pos_emb
     assert modeling_llama.apply_rotary_pos_emb is LLAMAS and not rope._SWAPPED
-    assert rope._LAST == (None, None)
+    assert getattr(rope._local, "last", None) is None  # (nothing of a forward kept)
     with pytest.raises(KeyError):  # (an error inside still puts it back)
         with a:
             raise KeyError("x")

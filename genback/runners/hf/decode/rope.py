@@ -22,7 +22,8 @@ per layer (62 fewer per step on the 8B shape, 30 on the 1B).
 ``rotate_half``'s, against Llama's: most families share it) while the decode step runs a forward
 (warm-ups and captures: a replay runs what was captured), and puts theirs back after. The swap is
 of a module's global name, so during those forwards another thread's forward of a model of the
-same family runs it too, with the same results.
+same family runs it too, with the same results (there its signed sine is made at every call:
+only genback's own forward, on its own thread, keeps it from one layer to the next).
 """
 
 from __future__ import annotations
@@ -36,19 +37,22 @@ from transformers.models.llama import modeling_llama
 
 _LOCK = threading.Lock()
 _SWAPPED: dict[str, tuple[int, object]] = {}  # module name -> (entries, its own function)
-_LAST: tuple = (None, None)  # (the last sin seen, its signed form): one per forward
+_local = threading.local()  # .last: [sin, its signed form] inside a RopeOp's ``with``
 
 
 def _signed(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first ``D - D // 2`` columns negated (the part ``rotate_half`` negates),
-    computed once per ``sin`` tensor (the model passes one to all its layers)."""
-    global _LAST
-    last = _LAST
-    if last[0] is sin:
+    """``sin`` with its first ``D - D // 2`` columns negated (the part ``rotate_half`` negates).
+    Inside a :class:`RopeOp`'s ``with`` (genback's own forward, on its thread) it is made once
+    per ``sin`` tensor (the model passes one to all its layers, and a forward makes a new
+    one); on any other thread that runs the swapped function meanwhile, at every call (a
+    tensor of theirs may be a buffer whose values change in place)."""
+    last = getattr(_local, "last", None)
+    if last is not None and last[0] is sin:
         return last[1]
     h = sin.shape[-1] - sin.shape[-1] // 2
     signed = torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
-    _LAST = (sin, signed)
+    if last is not None:
+        last[:] = sin, signed
     return signed
 
 
@@ -89,8 +93,9 @@ def is_half_split_rope(fn) -> bool:
 
 class RopeOp:
     """The modeling modules of ``model``'s attention layers whose RoPE :func:`apply_rotary_pos_emb`
-    replaces, and ``with rope:`` to run a forward with it (each module's own function is put
-    back at the end of the last ``with`` that swapped it, whichever thread it runs on).
+    replaces, and ``with rope:`` to run one forward with it (each module's own function is put
+    back at the end of the last ``with`` that swapped it, whichever thread it runs on; one
+    instance is entered by one thread at a time: the decode step's, under the forward lock).
     ``count``: the attention layers it serves (0: none, the context does nothing)."""
 
     def __init__(self, model: torch.nn.Module):
@@ -125,21 +130,20 @@ class RopeOp:
                     module.apply_rotary_pos_emb = fn
                 _SWAPPED[name] = (entries + 1, own)
                 swapped.append(name)
-            self._entered.append(swapped)
+            self._entered.append((swapped, getattr(_local, "last", None)))
+        _local.last = [None, None]  # (this forward's signed sine: none yet)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _LAST
         with _LOCK:
-            for name in self._entered.pop():
+            swapped, _local.last = self._entered.pop()  # (no tensor of a forward kept)
+            for name in swapped:
                 entries, own = _SWAPPED[name]
                 if entries > 1:
                     _SWAPPED[name] = (entries - 1, own)
                 else:
                     del _SWAPPED[name]
                     sys.modules[name].apply_rotary_pos_emb = own
-            if not _SWAPPED:
-                _LAST = (None, None)  # (no tensor of a forward kept past it)
 
 
 __all__ = ["RopeOp", "apply_rotary_pos_emb", "is_half_split_rope"]
