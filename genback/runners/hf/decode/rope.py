@@ -77,8 +77,14 @@ def _same_code(a, b) -> bool:
     ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
     return (ca is not None and cb is not None and ca.co_code == cb.co_code
             and ca.co_names == cb.co_names and ca.co_varnames == cb.co_varnames
-            and ca.co_consts[1:] == cb.co_consts[1:]
+            and _constants(a) == _constants(b)
             and getattr(a, "__defaults__", None) == getattr(b, "__defaults__", None))
+
+
+def _constants(fn) -> tuple:
+    """``fn``'s code constants but its docstring (where a Python version keeps it there)."""
+    doc = fn.__doc__
+    return tuple(c for c in fn.__code__.co_consts if not (type(c) is str and c == doc))
 
 
 def is_half_split_rope(fn) -> bool:
@@ -114,7 +120,8 @@ class RopeOp:
                 count += 1
         self.modules = sorted(names)
         self.count = count
-        self._entered: list[list[str]] = []  # per open ``with``: the modules it swapped
+        # per open ``with``: the modules it swapped, and the thread's signed sine before it
+        self._entered: list[tuple[list[str], list | None]] = []
 
     def __enter__(self) -> "RopeOp":
         fn = apply_rotary_pos_emb  # (looked up now: a test may count its calls)
