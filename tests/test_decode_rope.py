@@ -28,17 +28,18 @@ LLAMAS = modeling_llama.apply_rotary_pos_emb
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_rope_is_transformers_bit_for_bit(device, dtype):
-    """Every shape a forward passes (one new token or several, heads before or after the
-    positions: ``unsqueeze_dim`` 1 or 2, an odd head size), every float dtype, on the CPU and
-    on CUDA (its own kernels): the same values as Llama's ``apply_rotary_pos_emb``, bit for
-    bit (random inputs, scaled so that products round)."""
+    """Every shape a forward passes (one new token or several, heads before the positions as a
+    transposed view or after them: ``unsqueeze_dim`` 1 or 2, an odd head size), every float
+    dtype, on the CPU and on CUDA (its own kernels): the same values as Llama's
+    ``apply_rotary_pos_emb``, bit for bit (random inputs, scaled so that products round)."""
     g = torch.Generator().manual_seed(0)
     for D in (64, 8, 7):
         for T in (1, 5):
             for dim in (1, 2):
-                heads = (lambda h: (3, h, T, D)) if dim == 1 else (lambda h: (3, T, h, D))
-                q = (torch.randn(heads(4), generator=g) * 7).to(device, dtype)
-                k = (torch.randn(heads(2), generator=g) * 7).to(device, dtype)
+                q = (torch.randn(3, T, 4, D, generator=g) * 7).to(device, dtype)
+                k = (torch.randn(3, T, 2, D, generator=g) * 7).to(device, dtype)
+                if dim == 1:  # (heads first, as attention layers make them: a transposed view)
+                    q, k = q.transpose(1, 2), k.transpose(1, 2)
                 cos, sin = (torch.randn(3, T, D, generator=g).to(device, dtype)
                             for _ in range(2))
                 want = LLAMAS(q, k, cos, sin, unsqueeze_dim=dim)
