@@ -97,6 +97,13 @@ def is_half_split_rope(fn) -> bool:
             and _same_code(glob.get("rotate_half"), modeling_llama.rotate_half))
 
 
+def _own_function(name: str):
+    """Module ``name``'s own ``apply_rotary_pos_emb``: the one kept while a :class:`RopeOp`
+    has swapped it, else the module's (None: it has none)."""
+    swapped = _SWAPPED.get(name)
+    return swapped[1] if swapped else getattr(sys.modules[name], "apply_rotary_pos_emb", None)
+
+
 class RopeOp:
     """The modeling modules of ``model``'s attention layers whose RoPE :func:`apply_rotary_pos_emb`
     replaces, and ``with rope:`` to run one forward with it (each module's own function is put
@@ -105,20 +112,20 @@ class RopeOp:
     ``count``: the attention layers it serves (0: none, the context does nothing)."""
 
     def __init__(self, model: torch.nn.Module):
-        names, count = set(), 0
+        served: dict[str, bool] = {}  # modeling module -> its RoPE is the half-split form
+        count = 0
         for m in model.modules():
             forward = getattr(type(m), "forward", None)
             if forward is not None:
                 forward = inspect.unwrap(forward)  # (through decorators that wrap it)
-            uses = "apply_rotary_pos_emb" in getattr(getattr(forward, "__code__", None),
-                                                     "co_names", ())
-            module = sys.modules.get(type(m).__module__)
-            if uses and module is not None and is_half_split_rope(
-                    _SWAPPED.get(module.__name__, (0, getattr(module, "apply_rotary_pos_emb",
-                                                          None)))[1]):
-                names.add(module.__name__)
-                count += 1
-        self.modules = sorted(names)
+            name = type(m).__module__
+            if ("apply_rotary_pos_emb" in getattr(getattr(forward, "__code__", None),
+                                                  "co_names", ())
+                    and name in sys.modules):
+                if name not in served:
+                    served[name] = is_half_split_rope(_own_function(name))
+                count += served[name]
+        self.modules = sorted(name for name, ok in served.items() if ok)
         self.count = count
         # per open ``with``: the modules it swapped, and the thread's signed sine before it
         self._entered: list[tuple[list[str], list | None]] = []
@@ -128,13 +135,12 @@ class RopeOp:
         with _LOCK:
             swapped = []
             for name in self.modules:
-                module = sys.modules[name]
                 entries, own = _SWAPPED.get(name, (0, None))
                 if not entries:
-                    own = module.apply_rotary_pos_emb
+                    own = _own_function(name)
                     if not is_half_split_rope(own):  # (replaced since: left as it is)
                         continue
-                    module.apply_rotary_pos_emb = fn
+                    sys.modules[name].apply_rotary_pos_emb = fn
                 _SWAPPED[name] = (entries + 1, own)
                 swapped.append(name)
             self._entered.append((swapped, getattr(_local, "last", None)))
