@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import functools
 import json
 import sys
 import time
@@ -128,6 +129,8 @@ STEP_OPTIONS = {
     "-modelnorm": ("norm_op", False),  # the model's own norms (the default elsewhere)
     "-ropeop": ("rope_op", True),  # RoPE through decode/rope.py (CUDA's default)
     "-modelrope": ("rope_op", False),  # the model's own RoPE (the default elsewhere)
+    "-capture1": ("graphs.capture_after", 1),  # a bucket captured at its first use (before
+    # session 59; default: its second)
 }
 
 
@@ -152,11 +155,12 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
         raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -noflash0, -fused, "
-                         "-normop, -modelnorm, -ropeop and -modelrope set the decode "
+                         "-normop, -modelnorm, -ropeop, -modelrope and -capture1 set the decode "
                          f"step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
-    for name, value in options:
-        setattr(step, name, value)
+    for name, value in options:  # ("graphs.capture_after": the step's StepGraphs')
+        *path, attr = name.split(".")
+        setattr(functools.reduce(getattr, path, step), attr, value)
     times, host, rows = [], [], None
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
@@ -396,7 +400,8 @@ def parse(argv):
                          "the norms through torch's rms_norm operator / the model's own "
                          "(DecodeStep.norm_op: on by default on CUDA); -ropeop / -modelrope "
                          "run the rotary embeddings through decode/rope.py / the model's own "
-                         "(DecodeStep.rope_op: on by default on CUDA); "
+                         "(DecodeStep.rope_op: on by default on CUDA); -capture1 captures "
+                         "a bucket at its first use (default: its second, the first eager); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import warnings
 
+import pytest
 import torch
 
 from genback.llm import AsyncTransformer
@@ -79,16 +80,20 @@ def test_a_replay_that_disagrees_rejects_its_bucket_and_the_step_stays_exact(
     assert info["decode_graphs_verified"] == 0 and info["decode_graphs"] == 0
     assert info["decode_replays"] == buckets  # each bad graph replayed once, then never
     assert info["decode_steps"] == steps
+    assert info["decode_eager_steps"] == steps  # (the rejected replays' steps run again)
     bad = [m for m in messages if "disagreed with its eager run" in m]
     assert len(bad) == buckets and all("bucket (" in m for m in bad)
 
 
 def test_a_replay_that_agrees_is_kept_and_replayed(tiny_hf, gpt2_tok, monkeypatch):
-    """Honest replays: every bucket verified once and replayed at every later step of it."""
+    """Honest replays: every bucket verified once and replayed at every later step of it; a
+    bucket's first step runs eagerly."""
     info, messages, worst, steps = _run(tiny_hf, gpt2_tok, monkeypatch, noise=0.0)
     assert worst <= 1e-5
     assert info["decode_graphs_verified"] == info["decode_captures"] == info["decode_graphs"] >= 1
-    assert info["decode_graphs_rejected"] == 0 and info["decode_replays"] == steps
+    assert info["decode_graphs_rejected"] == 0
+    assert info["decode_replays"] + info["decode_eager_steps"] == steps
+    assert info["decode_eager_steps"] >= info["decode_captures"]
     assert not [m for m in messages if "disagreed" in m]
 
 
@@ -98,3 +103,51 @@ def test_the_tolerance_follows_the_models_dtype():
     off = StepGraphs(torch.device("cpu"), torch.bfloat16, enabled=False)
     assert off.tolerance == graphs_module.TOLERANCE[torch.bfloat16]
     assert not off._may_capture((1, 32, 0))
+
+
+class _Buf:
+    """A bucket's buffers as :class:`StepGraphs` reads them: its key and its logits."""
+
+    def __init__(self, key):
+        self.key, self.logits = key, torch.zeros(2, 3)
+
+
+@pytest.mark.parametrize("capture_after,captured,replays", [
+    (2, ["b", "a"], 3),  # the default: at a bucket's second use ("c", used once, never)
+    (1, ["a", "b", "c"], 6),  # at its first use
+    (3, ["b"], 1)])
+def test_a_bucket_is_captured_at_its_capture_after_use(monkeypatch, capture_after, captured,
+                                                       replays):
+    """The uses of a bucket before its ``capture_after``-th run eagerly (counted), then it is
+    captured (its warm-up computing that step) and replayed; every step computed exactly once
+    by one of the three."""
+    done = []
+    monkeypatch.setattr(StepGraphs, "_capture", _stand_in(0.0))
+    graphs = StepGraphs(torch.device("cpu"), torch.float32, enabled=True, max_graph_bytes=1 << 40,
+                        capture_after=capture_after)
+    bufs = {k: _Buf(k) for k in "abc"}
+
+    def forward(buf):
+        done.append(buf.key)
+        buf.logits.fill_(ord(buf.key))  # (the same rows at every run of a bucket)
+
+    order = list("abbbca")
+    for k in order:
+        graphs.run(bufs[k], forward, 2)
+    assert graphs.captures == len(captured) and list(graphs.graphs) == captured
+    assert graphs.replays == replays and graphs.verified == len(captured)
+    # each step computed once, but for a capture's step: its warm-up, then its first replay
+    assert graphs.eager == len(order) - replays
+    assert len(done) == len(order) + len(captured)
+    assert graphs.stats()["decode_eager_steps"] == graphs.eager
+    graphs.clear()
+    assert not graphs.graphs and not graphs._uses
+
+
+def test_buckets_are_not_counted_when_graphs_are_off(monkeypatch):
+    graphs = StepGraphs(torch.device("cpu"), torch.float32, enabled=False)
+    calls = []
+    for k in "aab":
+        graphs.run(_Buf(k), lambda buf: calls.append(buf.key), 2)
+    assert calls == list("aab") and graphs.eager == 3 and not graphs._uses
+    assert graphs.captures == graphs.replays == 0

@@ -1,5 +1,11 @@
-"""The decode step's CUDA graphs: one per bucket, captured on first use, and checked at their
-first replay.
+"""The decode step's CUDA graphs: one per bucket, captured at its second use, and checked at
+their first replay.
+
+A bucket's first step runs eagerly: an SMC run's first step after a shared prompt often has
+fewer distinct rows than the next ones (particles that drew the same token ask one query), so
+its bucket is used once, and a capture (an eager warm-up, the capture, the first replay and its
+check: ~90 ms on an 8B Llama on an H100, against one eager forward) would be spent on one step
+(``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 and an H100 (session 59)").
 
 A graph captured on a user's GPU is code running there for the first time, so its first replay
 is compared with the eager run of the same step on the same static buffers (the capture's
@@ -25,6 +31,9 @@ import torch
 # (2^-8 and 2^-11 relative), as the dense path's own rounding is
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
 
+# the use of a bucket at which it is captured (the uses before run eagerly)
+CAPTURE_AFTER = 2
+
 
 class StepGraphs:
     """The graphs of one :class:`.step.DecodeStep`.
@@ -36,32 +45,39 @@ class StepGraphs:
         max_graphs: most graphs kept; further buckets run eagerly.
         max_graph_bytes: no more captures once the graphs' memory reaches this (None: an eighth
             of the device's memory).
+        capture_after: a bucket is captured at this use (:data:`CAPTURE_AFTER`: its first
+            step runs eagerly; 1: at its first use).
 
     Attributes:
-        replays, captures, verified (first replays that agreed), rejected (buckets whose first
+        replays, eager (steps run without a graph: a bucket's first uses, rejected buckets,
+            buckets past the limits), captures, verified (first replays that agreed), rejected (buckets whose first
         replay disagreed: eager from then on), capture_seconds, graph_bytes (the device memory
         the captures reserved, each measured with the allocator's cache emptied before and
         after), failed (the capture error, once: later steps run eagerly): statistics.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, enabled: bool,
-                 max_graphs: int = 32, max_graph_bytes: int | None = None):
+                 max_graphs: int = 32, max_graph_bytes: int | None = None,
+                 capture_after: int = CAPTURE_AFTER):
         if max_graph_bytes is None:
             max_graph_bytes = (torch.cuda.get_device_properties(device).total_memory // 8
                                if enabled else 0)
         self.device, self.tolerance = device, TOLERANCE.get(dtype, 2 ** -6)
         self._index = torch.device(device).index  # (None: the current device)
         self.enabled, self.max_graphs, self.max_graph_bytes = enabled, max_graphs, max_graph_bytes
+        self.capture_after = capture_after
         self.graphs: dict[tuple, object] = {}
+        self._uses: dict[tuple, int] = {}  # buckets seen, not captured yet: their uses so far
         self.rejected_buckets: set[tuple] = set()
         self._mempool = None
-        self.replays = self.captures = self.verified = self.rejected = 0
+        self.replays = self.eager = self.captures = self.verified = self.rejected = 0
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.failed: str | None = None
 
     def stats(self) -> dict:
-        return {"decode_replays": self.replays, "decode_graphs": len(self.graphs),
+        return {"decode_replays": self.replays, "decode_eager_steps": self.eager,
+                "decode_graphs": len(self.graphs),
                 "decode_captures": self.captures, "decode_graphs_verified": self.verified,
                 "decode_graphs_rejected": self.rejected,
                 "decode_capture_seconds": round(self.capture_seconds, 4),
@@ -71,11 +87,13 @@ class StepGraphs:
         """Drop every graph (their memory goes back to the allocator); rejected buckets stay
         rejected."""
         self.graphs.clear()
+        self._uses.clear()
         self._mempool = None
 
     def run(self, buf, forward: Callable, rows: int) -> None:
         """Compute the step in ``buf`` (its :class:`.cascade.DecodeBuffers`, filled): replay its
-        bucket's graph, capturing and checking it on first use, or ``forward(buf)`` eagerly.
+        bucket's graph, capturing and checking it at its ``capture_after``-th use, or
+        ``forward(buf)`` eagerly.
         ``rows``: the step's real rows (the logits compared). Runs with the pool's device as
         the current CUDA device: a capture's stream and a replay go to the current device, and
         the calling thread's may be another (a model on ``cuda:1``; a step run on the caller's
@@ -86,16 +104,23 @@ class StepGraphs:
         return self._run(buf, forward, rows)
 
     def _run(self, buf, forward: Callable, rows: int) -> None:
-        graph = self.graphs.get(buf.key)
+        key = buf.key
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             self.replays += 1
-        elif not self._may_capture(buf.key):
+            return
+        uses = self._uses.get(key, 0) + 1 if self._may_capture(key) else 0
+        if uses < self.capture_after:  # (0: never captured)
+            if uses:
+                self._uses[key] = uses
             forward(buf)
-        else:
-            graph = self._capture(buf, forward)  # (its warm-up ran the step eagerly)
-            if graph is not None:
-                self._first_replay(buf, graph, forward, rows)
+            self.eager += 1
+            return
+        self._uses.pop(key, None)
+        graph = self._capture(buf, forward)  # (its warm-up ran the step eagerly)
+        if graph is not None:
+            self._first_replay(buf, graph, forward, rows)
 
     def _may_capture(self, key) -> bool:
         return (self.enabled and self.failed is None and key not in self.rejected_buckets
@@ -119,18 +144,20 @@ class StepGraphs:
                       f"{diff:.3g}); that bucket runs without a graph from now on",
                       RuntimeWarning, stacklevel=4)
         forward(buf)  # (the replay may have written wrong KV too: the eager run writes it anew)
+        self.eager += 1
 
     def _capture(self, buf, forward: Callable):
         """Capture ``buf``'s bucket after one eager warm-up run on a side stream (which also
-        computes this step); None, with one warning, when capture fails."""
+        computes this step: an error there is the step's, raised as an eager step's would be);
+        None, with one warning, when the capture fails."""
         t0 = time.perf_counter()
         dev = self.device
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            forward(buf)  # warm-up (lazy initialisations happen outside capture)
+        torch.cuda.current_stream(dev).wait_stream(stream)
         try:
-            with torch.cuda.stream(stream):
-                forward(buf)  # warm-up (lazy initialisations happen outside capture)
-            torch.cuda.current_stream(dev).wait_stream(stream)
             before = self._reserved()
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()

@@ -36,8 +36,8 @@ prefix whose ``bias0`` is -inf beyond its 4 real slots.
 of 16 (the alignment CUDA's fused attention asks of a bias): powers of two (from 32) for the
 width, 256 for the prefix. A padded row reads only its own new token (written to the dummy slot 0, never
 read unmasked) and its logits are never read. One graph per ``(rows, width, prefix)`` bucket,
-captured lazily on first use into one memory pool shared by all of them; a capture that fails
-warns once and the runner falls back to the tree path. Graphs are dropped when the pool's store
+captured lazily at its second use (the first runs eagerly: :mod:`.graphs`) into one memory pool
+shared by all of them; a capture that fails warns once and later steps run eagerly. Graphs are dropped when the pool's store
 grows (their addresses are baked in).
 
 **Chunks.** A step whose table would exceed :data:`MAX_TABLE_SLOTS` (or that has more than
