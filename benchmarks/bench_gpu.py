@@ -129,6 +129,8 @@ STEP_OPTIONS = {
     "-modelnorm": ("norm_op", False),  # the model's own norms (the default elsewhere)
     "-ropeop": ("rope_op", True),  # RoPE through decode/rope.py (CUDA's default)
     "-modelrope": ("rope_op", False),  # the model's own RoPE (the default elsewhere)
+    "-gather0": ("keep_level0", False),  # level 0 gathered by every layer of every step
+    # (before session 59; CUDA's default: kept across steps, decode/level0.py)
     "-capture1": ("graphs.capture_after", 1),  # a bucket captured at its first use (before
     # session 59; default: its second)
 }
@@ -155,8 +157,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
         raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -noflash0, -fused, "
-                         "-normop, -modelnorm, -ropeop, -modelrope and -capture1 set the decode "
-                         f"step's options, and decode={decode!r} on {device} runs none "
+                         "-normop, -modelnorm, -ropeop, -modelrope, -gather0 and -capture1 set "
+                         f"the decode step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
     for name, value in options:  # ("graphs.capture_after": the step's StepGraphs')
         *path, attr = name.split(".")
@@ -400,7 +402,9 @@ def parse(argv):
                          "the norms through torch's rms_norm operator / the model's own "
                          "(DecodeStep.norm_op: on by default on CUDA); -ropeop / -modelrope "
                          "run the rotary embeddings through decode/rope.py / the model's own "
-                         "(DecodeStep.rope_op: on by default on CUDA); -capture1 captures "
+                         "(DecodeStep.rope_op: on by default on CUDA); -gather0 gathers "
+                         "level 0 in every layer of every step (DecodeStep.keep_level0: "
+                         "kept across steps by default on CUDA); -capture1 captures "
                          "a bucket at its first use (default: its second, the first eager); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "

@@ -182,6 +182,8 @@ def test_grouped_query_llama_decode_steps_equal_uncached(gpt2_tok, no_tf32, devi
                 step = lm.runner.decode_step
                 assert step.norm_op and step._norms.count == 5
                 assert step.rope_op and step._rope.count == 2
+                # (level 0 kept across steps: the default; copied once per prefix)
+                assert step.keep_level0 and 1 <= info["decode_level0_copies"] < len(trace)
             if mode == "graphs":  # every capture checked at its first replay, and kept; a
                 # bucket's first step runs eagerly (graphs.CAPTURE_AFTER)
                 assert info["decode_replays"] + info["decode_eager_steps"] == len(trace)
@@ -226,14 +228,16 @@ def test_captured_decode_steps_in_bf16_are_no_worse_than_dense(gpt2_tok):
         lm.close()
 
 
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("flash0", [False, True])
 @pytest.mark.parametrize("rows,groups,prefix", [(1, 1, 900), (3, 4, 300), (64, 2, 1500),
                                                 (2, 2, 200)])
-def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix, flash0):
+def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix, flash0, kept):
     """Level 0 split into chunks (split-K) and merged by log-sum-exp equals one float64 softmax
     over the real prefix keys; the padding past the prefix is masked, whatever its values. With
     ``flash0`` the keys before the last 256 are attended without a bias, the last 256 (the
-    padding's) with it, as one more chunk."""
+    padding's) with it, as one more chunk. ``kept``: the prefix read from its copy kept across
+    steps (:mod:`genback.runners.hf.decode.level0`), not gathered."""
     from types import SimpleNamespace
 
     from genback.runners.hf.decode.cascade import _merge_chunks, _prefix_chunks, _splits
@@ -252,6 +256,11 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix, flash0)
     b.prefix[:prefix] = slots
     b.bias0[..., :prefix] = 0
     store[:, :, 0] = 1e4  # the dummy slot the padding reads: large, and masked
+    b.level0 = None
+    if kept:
+        from genback.runners.hf.decode.level0 import KeptPrefix
+        b.level0 = KeptPrefix(pool, Pb)
+        b.level0.refresh(pool, slots.numpy(), b.prefix)
     q = torch.randn(rows, Hkv, groups, D)
     o, l = _prefix_chunks(0, b, q, 0.25)
     if flash0 and Pb > 256:  # the unmasked chunks, then the last 256 keys

@@ -63,6 +63,7 @@ class DecodeBuffers:
         Rb, Wb, Pb = key
         self.flash0 = False  # level 0 without a bias but on its last 256 keys (_prefix_chunks)
         self.fused = False  # the levels merged by the compiled merge_levels
+        self.level0 = None  # level 0's KV kept across steps (.level0.KeptPrefix), or gathered
         dev, dt = pool.device, pool.dtype
         self.pool = pool
         self.key = key
@@ -203,10 +204,12 @@ def _prefix_chunks(layer: int, b: DecodeBuffers, qg, scale: float):
     without a bias (a FlashAttention kernel on CUDA, :func:`..forward.attention._attend`'s
     ``"flash2"``) and its last 256 with ``bias0`` as one more chunk.
 
-    qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` and bias ``b.bias0``."""
+    qg: [Rb, Hkv, G, D]; the prefix's slots ``b.prefix`` ``[Pb]`` (gathered here, or read in
+    place from ``b.level0``, kept across steps: :mod:`.level0`) and bias ``b.bias0``."""
     Rb, Hkv, G, D = qg.shape
     Pb = b.prefix.shape[0]
-    kv0 = b.pool.gather(layer, b.prefix)  # [2, Hkv, Pb, D]
+    kv0 = (b.pool.gather(layer, b.prefix) if b.level0 is None  # [2, Hkv, Pb, D]
+           else b.level0.kv[layer])
     qt = qg.transpose(0, 1)  # [Hkv, Rb, G, D], a view
     if not (b.flash0 and Pb > 256):
         return _chunks(kv0, qt, scale, b.bias0, "flash")

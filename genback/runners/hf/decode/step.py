@@ -67,6 +67,7 @@ from ..plan.segments import split_segments
 from .cascade import DecodeBuffers, StepLayout, decode_attention
 from .fused import FusedNorms
 from .graphs import StepGraphs
+from .level0 import KeptPrefixes
 from .rope import RopeOp
 
 NAME = "genback_decode"
@@ -165,6 +166,9 @@ class DecodeStep:
             transformers' 8) during the step's forwards; default True on CUDA (measured in
             ``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 (session 57)"), False elsewhere (on a
             CPU the operator computes what the model's norm does). Set it before the first step.
+        keep_level0: level 0's KV kept across steps (:mod:`.level0`, in ``level0``: copied for
+            all layers when the prefix changes, then read in place, not gathered by each layer
+            at each step); default True on CUDA, False elsewhere.
         rope_op: the model's rotary position embeddings run as :func:`.rope.apply_rotary_pos_emb`
             during the step's forwards (the same values bit for bit, 4 kernels for the query and
             4 for the key of each layer where transformers runs 5 each: :mod:`.rope`); default
@@ -199,7 +203,8 @@ class DecodeStep:
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0: bool | None = None
-        self.norm_op = self.rope_op = pool.device.type == "cuda"
+        self.norm_op = self.rope_op = self.keep_level0 = pool.device.type == "cuda"
+        self.level0 = KeptPrefixes(pool)
         self.fused = False
         self._norms: FusedNorms | None = None
         self._rope: RopeOp | None = None
@@ -210,12 +215,14 @@ class DecodeStep:
 
     def stats(self) -> dict:
         return {"decode_steps": self.steps, "decode_lane_steps": self.lane_steps,
-                "decode_split_steps": self.split_steps, **self.graphs.stats()}
+                "decode_split_steps": self.split_steps,
+                "decode_level0_copies": self.level0.copies, **self.graphs.stats()}
 
     def clear(self) -> None:
         """Drop every graph and buffer (their memory goes back to the allocator)."""
         self.graphs.clear()
         self.buffers.clear()
+        self.level0.clear()
         self._lanes = []
 
     def run(self, group) -> ForwardOut | None:
@@ -361,7 +368,10 @@ class DecodeStep:
                           and self.pool.dtype in (torch.bfloat16, torch.float16)
                           and flash_level0_pays(key[0] * self.groups, key[2]))
             buf.flash0, buf.fused = flash0, self.fused
+            buf.level0 = self.level0.get(key[2]) if self.keep_level0 and key[2] else None
         buf.fill(layout)
+        if buf.level0 is not None:
+            buf.level0.refresh(self.pool, layout.prefix, buf.prefix)
         self.steps += 1
         self.graphs.run(buf, self._forward, R)
         return buf.logits[:R], self.pool.token_bytes * (P + R * (W - 1))
