@@ -17,7 +17,7 @@ from genback.runners.hf.cache.kv_pool import KVPool
 from genback.runners.hf.decode.level0 import KeptPrefix, KeptPrefixes
 
 from test_decode_rope import _Ops
-from test_decode_step import _steps
+from test_decode_step import CUDA, _llama, _steps, no_tf32  # noqa: F401 (a fixture)
 from test_llm_tree import _smc_trace
 
 
@@ -138,3 +138,32 @@ def test_kept_prefixes_stay_within_their_budget():
     kept.clear()
     assert kept.kept == {} and kept.nbytes == 0 and kept.copies == 1
     assert kept.get(1024) is None and kept.get(768) is not None
+
+
+@CUDA
+def test_kept_level0_in_captured_cuda_steps_equals_the_gather(gpt2_tok, no_tf32):
+    """On CUDA (fp32, TF32 off), the captured steps of a grouped-query Llama over a 300-token
+    prompt: with level 0 kept (the default there) the rows equal the per-layer gather's (the
+    same bytes attended) and lie within 1e-4 of an uncached forward; the prefix copied once."""
+    model = _llama(len(gpt2_tok), "cuda", torch.float32)
+    trace = _smc_trace(random.Random(21), 300, 12, 10, 3, 400)
+    rows, copies = {}, {}
+    for keep in (True, False):
+        lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                              decode="graphs", row_device="cpu")
+        try:
+            assert lm.runner.decode_step.keep_level0  # (the default on CUDA)
+            lm.runner.decode_step.keep_level0 = keep
+            lm.cache_kv(trace[0][0][:-1])
+            rows[keep] = _steps(lm, trace)
+            info = lm.cache_info()
+            copies[keep] = info["decode_level0_copies"]
+            assert info["decode_graphs_verified"] >= 1 and info["decode_graphs_rejected"] == 0
+            for j in (0, len(trace[-1]) - 1):
+                ref = lm.next_token_logprobs_uncached(trace[-1][j]).float().cpu()
+                assert float((rows[keep][-1][j] - ref).abs().max()) <= 1e-4
+        finally:
+            lm.close()
+    assert copies == {True: 1, False: 0}
+    for a, b in zip(rows[True], rows[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
