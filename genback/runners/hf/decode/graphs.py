@@ -50,10 +50,11 @@ class StepGraphs:
 
     Attributes:
         replays, eager (steps run without a graph: a bucket's first uses, rejected buckets,
-            buckets past the limits), captures, verified (first replays that agreed), rejected (buckets whose first
-        replay disagreed: eager from then on), capture_seconds, graph_bytes (the device memory
-        the captures reserved, each measured with the allocator's cache emptied before and
-        after), failed (the capture error, once: later steps run eagerly): statistics.
+            buckets past the limits), captures, verified (first replays that agreed), rejected
+            (buckets whose first replay disagreed: eager from then on), capture_seconds,
+            graph_bytes (the device memory the captures reserved, each measured with the
+            allocator's cache emptied before and after), failed (the capture error, once: later
+            steps run eagerly): statistics.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, *, enabled: bool,

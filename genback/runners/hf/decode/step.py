@@ -34,11 +34,11 @@ prefix whose ``bias0`` is -inf beyond its 4 real slots.
 
 **Buckets.** Rows are padded to a power of two, the table's width and the prefix to multiples
 of 16 (the alignment CUDA's fused attention asks of a bias): powers of two (from 32) for the
-width, 256 for the prefix. A padded row reads only its own new token (written to the dummy slot 0, never
-read unmasked) and its logits are never read. One graph per ``(rows, width, prefix)`` bucket,
-captured lazily at its second use (the first runs eagerly: :mod:`.graphs`) into one memory pool
-shared by all of them; a capture that fails warns once and later steps run eagerly. Graphs are dropped when the pool's store
-grows (their addresses are baked in).
+width, 256 for the prefix. A padded row reads only its own new token (written to the dummy slot
+0, never read unmasked) and its logits are never read. One graph per ``(rows, width, prefix)``
+bucket, captured lazily at its second use (the first runs eagerly: :mod:`.graphs`) into one
+memory pool shared by all of them; a capture that fails warns once and later steps run eagerly.
+Graphs are dropped when the pool's store grows (their addresses are baked in).
 
 **Chunks.** A step whose table would exceed :data:`MAX_TABLE_SLOTS` (or that has more than
 :data:`MAX_ROWS` rows) runs as halves, then quarters of its rows (:meth:`DecodeStep.layouts`),
