@@ -378,3 +378,75 @@ def test_level0_runs_unmasked_by_default_where_it_was_measured_to_pay():
 
     assert flash_level0_pays(1024, 4096) and flash_level0_pays(4096, FLASH0_MIN_WORK // 4096)
     assert not any(flash_level0_pays(q, k) for q, k in [(1024, 1024), (64, 1024), (64, 4096)])
+
+
+@pytest.mark.parametrize("api", ["lists", "contexts"])
+@pytest.mark.parametrize("decode", ["eager", "off"])
+def test_particles_with_equal_contexts_keep_their_steps_uniform(tiny_hf, gpt2_tok, monkeypatch,
+                                                                api, decode):
+    """Particles that drew the same tokens hold equal contexts as other objects; the batcher
+    answers their equal queries once, so only one of the objects is noted as a parent. Their
+    children's parents are then found by their tokens (``KVTree.end_node``): every step after the
+    first is planned as a uniform step, none by the full planner (counted), on the decode step and
+    on the tree path, with lists and with context objects; every row exact."""
+    from genback.runners.hf import runner as runner_module
+
+    full_plans = []
+    plan_batch = runner_module.plan_batch
+    monkeypatch.setattr(runner_module, "plan_batch",
+                        lambda queries, match: full_plans.append(len(queries))
+                        or plan_batch(queries, match))
+    rng = random.Random(7)
+    prompt = [rng.randrange(50257) for _ in range(40)]
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0, decode=decode)
+
+    async def run():
+        parts = ([lm.context(prompt)] if api == "contexts" else [list(prompt)]) * 8
+        worst = 0.0
+        for step in range(8):
+            # two tokens among 8 particles: equal contexts, each particle its own object
+            parts = [p + [7 + (i + step) % 2 * (i % 3 == 0)] for i, p in enumerate(parts)]
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            worst = max(worst, _max_err(rows, [list(c) for c in parts], lm))
+        return worst, parts
+
+    try:
+        lm.cache_kv(prompt)
+        full_plans.clear()
+        worst, parts = asyncio.run(run())
+        assert len({tuple(p) for p in parts}) < len(parts)  # (equal contexts did occur)
+        assert worst <= 1e-5
+        assert full_plans == []
+        if decode == "eager":
+            assert lm.cache_info()["decode_steps"] >= 7
+    finally:
+        lm.close()
+
+
+def test_smollm2_smc_particles_that_coincide_keep_their_steps_uniform(module_smol_lm,
+                                                                      monkeypatch):
+    """The real model's rows are peaked, so particles sampling from them often draw the same
+    token and hold equal contexts (other objects): after the first step (the prompt's row) no
+    step is planned by the full planner (counted), on the default path (the tree path here)."""
+    from genback.runners.hf import runner as runner_module
+
+    lm = module_smol_lm
+    plans, step = [], [0]
+    plan_batch = runner_module.plan_batch
+    monkeypatch.setattr(runner_module, "plan_batch",
+                        lambda queries, match: plans.append(step[0]) or plan_batch(queries, match))
+    prompt = lm.tokenizer.encode("The capital of France is")
+    g = torch.Generator().manual_seed(0)
+
+    async def run():
+        parts = [lm.context(prompt)] * 12
+        equal = 0
+        for step[0] in range(6):
+            rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
+            parts = [p + [int(torch.multinomial(r.float().exp(), 1, generator=g))]
+                     for p, r in zip(parts, rows)]
+            equal += len(parts) - len({tuple(p) for p in parts})
+        return equal
+
+    assert asyncio.run(run()) > 0  # (particles did coincide)
+    assert set(plans) <= {0}

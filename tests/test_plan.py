@@ -451,6 +451,30 @@ def test_plan_step_leaves_every_other_batch_to_plan_batch():
     assert plan_step(queries, tree.ends, None, budget) is None
 
 
+def test_plan_step_finds_a_parent_with_no_note_by_its_tokens():
+    """Particles whose contexts were equal asked one query, so one context object was noted:
+    given ``resolve`` (the tree's :meth:`~genback.runners.hf.cache.kvtree.KVTree.end_node`), a
+    parent that is an equal but other object is found by its tokens, its step planned as the
+    noted parent's is; a parent whose KV ends inside an edge, or is not cached, is not."""
+    tree = KVTree(1 << 30)
+    prompt, node, queries = _step_queries(tree, 4)
+    budget = ForwardBudget(1 << 30, 16, 4 * 1000)
+    copy = tuple(list(prompt))
+    others = [NextToken(copy + (t,), parent=copy) for t in range(4, 8)]
+    assert plan_step(queries + others, tree.ends, None, budget) is None  # (no resolve)
+    step = plan_step(queries + others, tree.ends, None, budget, tree.end_node)
+    general = plan_batch(queries + others, lambda q, limit: tree.match(
+        q.tokens, limit, touch=False, segments=False))
+    assert len(general) == 1 and _plain(step) == _plain(general[0])
+    assert all(p.holder is node and p.cached == 50 for p in step)
+    inside = prompt[:40]  # cached, but inside the prompt's edge: no node ends there
+    assert tree.end_node(inside) is None and tree.end_node(prompt + (1,)) is None
+    assert plan_step([NextToken(inside + (1,), parent=inside)], tree.ends, None, budget,
+                     tree.end_node) is None
+    assert plan_step(queries, tree.ends, 3, budget, tree.end_node) is None  # (another adapter)
+    assert tree.end_node(copy) is node and tree.end_node(copy, adapter=3) is None
+
+
 def _grouped_by_the_rule(paths, max_tokens, max_bytes, score_bytes):
     """group_paths' rule applied path by path (the reference for its whole-batch shortcut)."""
     order = sorted(paths, key=lambda r: r.n_new, reverse=True)

@@ -175,7 +175,8 @@ class HFRunner:
         (:func:`.plan.batch.plan_step`); otherwise those too large for one forward in pieces, the
         rest planned together (:func:`.plan.batch.plan_batch`) and executed level by level."""
         results: list = [None] * len(queries)
-        step = plan_step(queries, self.tree.ends, queries[0].adapter, self.budget)
+        step = plan_step(queries, self.tree.ends, queries[0].adapter, self.budget,
+                         self.tree.end_node)
         if step is not None:  # an SMC or decoding step
             for output, value in self._execute(step, uniform=True):
                 results[output.index] = value

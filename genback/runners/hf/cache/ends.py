@@ -40,18 +40,31 @@ class Ends:
         found = self.nodes((tokens,), adapter)
         return None if found is None else found[0]
 
-    def nodes(self, contexts, adapter=None) -> list | None:
+    def nodes(self, contexts, adapter=None, resolve=None) -> list | None:
         """:meth:`get` of each of ``contexts`` (a step's parents), in one call; None as soon as
-        one has no node (or is None)."""
+        one has no node (or is None).
+
+        ``resolve(tokens, adapter)``: asked for a context with no valid note, the node where its
+        KV ends found by its tokens (:meth:`.kvtree.KVTree.end_node`), or None. Particles whose
+        contexts were equal asked one query (the batcher answers equal queries once), so only
+        that query's context object was noted, and the others' children find their parents
+        this way."""
         current, before = self._current, self._before
         out = []
         for tokens in contexts:
             end = current.get(id(tokens)) or before.get(id(tokens))
             if end is None or end[0] is not tokens or end[2] != adapter:
-                return None  # (None itself is never noted: a query without a parent)
-            node = end[1]
-            if node.slots is None or node.parent is None or node.depth != end[3]:
-                return None  # evicted or merged away since (end[3]: len(tokens), noted)
+                node = None  # (None itself is never noted: a query without a parent)
+            else:
+                node = end[1]
+                if node.slots is None or node.parent is None or node.depth != end[3]:
+                    node = None  # evicted or merged away since (end[3]: len(tokens), noted)
+            if node is None:
+                if resolve is None or tokens is None:
+                    return None
+                node = resolve(tokens, adapter)
+                if node is None:
+                    return None
             out.append(node)
         return out
 

@@ -12,17 +12,15 @@ pool's slots along its path, in order; tree attention (:mod:`..forward.attention
 node's slots once for all the rows of a batch below it. Splitting or merging nodes splits or
 joins index arrays: KV never moves.
 
-Adapters. The same tokens under two LoRA adapters have different KV: each adapter (``None``
-for the base model) has its own root, so paths of different adapters never share a node. The
-byte budget and the recency order are shared by all of them.
+Adapters. The same tokens under two LoRA adapters have different KV: each adapter (``None`` for
+the base model) has its own root; the byte budget and the recency order are shared by all.
 
 Invariants. A slot is owned by one node and never written after its forward (forwards write only
 the slots they took for their new tokens). Node ``bytes`` sum to ``bytes_held``; evicting a node
 returns its slots to the pool. Only leaves that are neither pinned (``pin``) nor referenced by a
 running forward (``acquire``) are evicted, least recently used first (by each node's stamp of
-its last use: :mod:`.recency`; using a node does not walk its ancestors).
-
-Not thread-safe: the owner serialises access with a lock.
+its last use: :mod:`.recency`; using a node does not walk its ancestors). Not thread-safe: the
+owner serialises access with a lock.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ import numpy as np
 from ....context import Context, flat
 from ....cpython import untrack_ids
 from .ends import Ends
-from .nodes import (Node as _Node, append_slots, common_prefix_length, descend, merge_up,
-                    prefix_segments)
+from .nodes import (Node as _Node, append_slots, common_prefix_length, descend, end_node,
+                    merge_up, prefix_segments)
 from .recency import Candidates
 
 
@@ -69,9 +67,7 @@ class KVTree:
         self.bytes_held = 0
         self.evictions = 0  # nodes evicted
         self.merges = 0  # nodes merged into their one child (compact)
-        # contexts whose KV ends exactly at a node, by the identity of their tuple (match's
-        # ``parent``); the runner notes them as it inserts
-        self.ends = Ends()
+        self.ends = Ends()  # where noted contexts' KV ends (match's ``parent``; the runner's)
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -121,6 +117,10 @@ class KVTree:
         if touch:
             self._touch(node)
         return (prefix_segments(node, pos) if segments else None), pos, node
+
+    def end_node(self, tokens: Sequence[int], adapter=None) -> _Node | None:
+        """:func:`.nodes.end_node` of ``tokens`` under ``adapter`` (:meth:`.ends.Ends.nodes`)."""
+        return end_node(self.root_of(adapter), flat(tokens))
 
     def acquire(self, *nodes: _Node) -> None:
         """Protect each of ``nodes`` (and so its ancestors) from eviction until ``release``."""

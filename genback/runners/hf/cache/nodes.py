@@ -92,6 +92,13 @@ def descend(node: Node, pos: int, tokens: tuple, limit: int) -> tuple[Node, int]
     return node, pos
 
 
+def end_node(root: Node, tokens: tuple) -> Node | None:
+    """The node under ``root`` where ``tokens`` (a flat tuple) end exactly, found by a walk that
+    compares them (:func:`descend`); None when they are not all cached or end inside an edge."""
+    node, pos = descend(root, 0, tokens, len(tokens))
+    return node if pos == len(tokens) and node.depth == pos and node.parent is not None else None
+
+
 def holder_end(holder, cached: int) -> tuple:
     """``(node, k)``: the node whose edge holds token ``cached - 1`` of a cached prefix that
     :meth:`.kvtree.KVTree.match` ended in ``holder``, and how many tokens of that edge the prefix

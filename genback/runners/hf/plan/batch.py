@@ -106,7 +106,7 @@ def query_path(q: Query, index: int = 0) -> Path:
     return Path(q.context, q.adapter, n - q.n_outputs, [Output(index, q, n)], n_tokens=n)
 
 
-def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
+def plan_step(queries: list[Query], ends, adapter, budget, resolve=None) -> list[Path] | None:
     """The plan of a uniform decode step, or None when ``queries`` are not one.
 
     A uniform step is what an SMC step or a decoding step asks: every query is a next-token row
@@ -123,8 +123,9 @@ def plan_step(queries: list[Query], ends, adapter, budget) -> list[Path] | None:
         ends: the tree's :class:`..cache.ends.Ends`.
         adapter: the queries' adapter key.
         budget: the runner's :class:`.budget.ForwardBudget`.
+        resolve: finds a parent with no note by its tokens (:meth:`..cache.ends.Ends.nodes`).
     """
-    nodes = ends.nodes([q.parent for q in queries], adapter)
+    nodes = ends.nodes([q.parent for q in queries], adapter, resolve)
     if nodes is None:  # (a Score or Prefill has no parent; a parent's node may be gone)
         return None
     paths: list[Path] = []
