@@ -164,6 +164,17 @@ class KVPool:
         torch.index_select(flat, 1, index, out=out.view(2 * self.heads, -1, self.dim))
         return out
 
+    def gather_layers(self, index: torch.Tensor, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """``[layers, 2, kv_heads, len(index), head_dim]``: :meth:`gather` of every layer at
+        once (one ``index_select`` over the store viewed likewise), into ``out`` when given."""
+        n = self.layers * 2 * self.heads
+        flat = self.store.view(n, -1, self.dim)
+        if out is None:
+            return flat.index_select(1, index).view(self.layers, 2, self.heads, -1, self.dim)
+        torch.index_select(flat, 1, index, out=out.view(n, -1, self.dim))
+        return out
+
     def view(self, start: int, length: int) -> torch.Tensor:
         """``[layers, 2, kv_heads, length, head_dim]``: the run of slots ``start ..`` in place."""
         return self.store[:, :, :, start:start + length]
@@ -174,9 +185,7 @@ class KVPool:
         start = run_start(slots)
         if start >= 0:
             return self.view(start, len(slots))
-        flat = self.store.view(self.layers * 2 * self.heads, -1, self.dim)  # (see gather)
-        return flat.index_select(1, torch.from_numpy(slots).to(self.device)).view(
-            self.layers, 2, self.heads, -1, self.dim)
+        return self.gather_layers(torch.from_numpy(slots).to(self.device))
 
 
 def run_start(slots: np.ndarray) -> int:

@@ -5,8 +5,8 @@ the prompt, the same slots step after step. Gathered from the pool by every laye
 it is most of a 16-row step's KV copies (an 8B Llama on an H100, 16 x 1,000 tokens: 0.55 ms of
 gathers a step in 64 kernels, level 0's 1,024 slots against level 1's 16 x 32;
 ``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 and an H100 (session 59)"). Kept, it is
-copied for all layers at once (one ``index_select``) when the step's prefix changes, and each
-layer of each step reads its part in place.
+copied for all layers at once (:meth:`~..cache.kv_pool.KVPool.gather_layers`) when the step's
+prefix changes, and each layer of each step reads its part in place.
 
 A kept copy stays valid while the pool has freed no slot since it was made and its store has
 not moved (:class:`~..cache.kv_pool.KVPool`'s ``frees`` and ``version``): a slot's KV is written
@@ -52,9 +52,7 @@ class KeptPrefix:
                 and (held is prefix or (len(held) == len(prefix)
                                         and np.array_equal(held, prefix)))):
             return
-        n = pool.layers * 2 * pool.heads  # (the store viewed as KVPool.gather does)
-        torch.index_select(pool.store.view(n, -1, pool.dim), 1, index,
-                           out=self.kv.view(n, -1, pool.dim))
+        pool.gather_layers(index, out=self.kv)
         self.slots, self.frees, self.version = prefix, pool.frees, pool.version
         self.copies += 1
 
