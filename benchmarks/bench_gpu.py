@@ -131,6 +131,9 @@ STEP_OPTIONS = {
     "-modelrope": ("rope_op", False),  # the model's own RoPE (the default elsewhere)
     "-gather0": ("keep_level0", False),  # level 0 gathered by every layer of every step
     # (before session 59; CUDA's default: kept across steps, decode/level0.py)
+    "-splitproj": ("fuse_projections", False),  # q/k/v and gate/up as separate products
+    # (before session 60; CUDA's default: one product a group, decode/projections.py)
+    "-fuseproj": ("fuse_projections", True),
     "-capture1": ("graphs.capture_after", 1),  # a bucket captured at its first use (before
     # session 59; default: its second)
 }
@@ -157,7 +160,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
         raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -noflash0, -fused, "
-                         "-normop, -modelnorm, -ropeop, -modelrope, -gather0 and -capture1 set "
+                         "-normop, -modelnorm, -ropeop, -modelrope, -gather0, -splitproj, -fuseproj and "
+                         "-capture1 set "
                          f"the decode step's options, and decode={decode!r} on {device} runs none "
                          "(use eager-...)")
     for name, value in options:  # ("graphs.capture_after": the step's StepGraphs')
@@ -404,7 +408,10 @@ def parse(argv):
                          "run the rotary embeddings through decode/rope.py / the model's own "
                          "(DecodeStep.rope_op: on by default on CUDA); -gather0 gathers "
                          "level 0 in every layer of every step (DecodeStep.keep_level0: "
-                         "kept across steps by default on CUDA); -capture1 captures "
+                         "kept across steps by default on CUDA); -splitproj / -fuseproj "
+                         "run each layer's q/k/v and gate/up products apart / as one product "
+                         "each (DecodeStep.fuse_projections: on by default on CUDA); "
+                         "-capture1 captures "
                          "a bucket at its first use (default: its second, the first eager); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "

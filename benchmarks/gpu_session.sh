@@ -72,13 +72,14 @@ case "$part" in
     # its summary and durations.
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "cuda or captured" \
       tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py \
-      tests/test_decode_rope.py tests/test_decode_level0.py 2>&1 | tee -i "$out/tests.log" ;;
+      tests/test_decode_rope.py tests/test_decode_level0.py tests/test_decode_projections.py \
+      2>&1 | tee -i "$out/tests.log" ;;
   norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator, its
     # RoPE through decode/rope.py's) and the RoPE's own
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured or rope" \
       tests/test_decode_step.py tests/test_decode_rope.py tests/test_decode_level0.py 2>&1 \
       | tee -i "$out/norms.log" ;;
-  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-capture1,auto-gather0,auto/context}" ;;  # (a bucket captured at its first use, and level 0 gathered per layer, against the defaults, session 59; -modelrope, -noflash0 measured in session 59, -flash0, -fused in session 57)
+  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-splitproj,auto-gather0,auto/context}" ;;  # (q/k/v and gate/up apart (session 60), level 0 gathered per layer (session 59), against the defaults; -capture1 in the 1B cells; -modelrope, -noflash0 measured in session 59, -flash0, -fused in session 57)
   1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-capture1,auto/context,off}" ;;  # (host-bound: context objects)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \

@@ -182,6 +182,8 @@ def test_grouped_query_llama_decode_steps_equal_uncached(gpt2_tok, no_tf32, devi
                 step = lm.runner.decode_step
                 assert step.norm_op and step._norms.count == 5
                 assert step.rope_op and step._rope.count == 2
+                # (q/k/v and gate/up as one product each: 2 groups a layer)
+                assert step.fuse_projections and step._projections.count == 4
                 # (level 0 kept across steps: the default; copied once per prefix)
                 assert step.keep_level0 and 1 <= info["decode_level0_copies"] < len(trace)
             if mode == "graphs":  # every capture checked at its first replay, and kept; a

@@ -169,6 +169,23 @@ def _compiled_merge():
     return _MERGE
 
 
+# stacked queries x prefix keys from which level 0 runs unmasked by default on CUDA
+# (flash_level0_pays)
+FLASH0_MIN_WORK = 1 << 22
+
+
+def flash_level0_pays(queries: int, keys: int) -> bool:
+    """Whether level 0 of a bucket with ``queries`` stacked queries (rows x query heads per KV
+    head) over a ``keys``-slot prefix bucket runs its keys before the last 256 unmasked
+    (``DecodeStep.flash_level0`` None, on CUDA): from :data:`FLASH0_MIN_WORK` on. Measured on
+    an H200, 8B Llama shape, bf16 (``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200
+    (session 57)"): GPU time a step, unmasked / with the bias, 1,024 queries x 4,096 keys 19.9 /
+    22.6 ms (the masked memory-efficient kernel 8.1 ms of it); 1,024 x 1,024 17.9 / 17.6; 64 x
+    1,024 9.7 / 9.2 and 64 x 4,096 14.3 / 13.3 (FlashAttention's split-KV and combine kernels
+    and the extra masked chunk cost more than they save)."""
+    return queries * keys >= FLASH0_MIN_WORK
+
+
 # a fused attention kernel works on tiles of 64 queries: fewer than this many (kv head, query
 # tile) pairs leave most of an H100's 132 multiprocessors idle, so the prefix is split
 SPLIT_TARGET_BLOCKS = 128

@@ -64,29 +64,15 @@ from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.lanes import REFRESH, Lanes
 from ..plan.segments import split_segments
-from .cascade import DecodeBuffers, StepLayout, decode_attention
+from .cascade import (FLASH0_MIN_WORK, DecodeBuffers, StepLayout, decode_attention,
+                      flash_level0_pays)
 from .fused import FusedNorms
 from .graphs import StepGraphs
 from .level0 import KeptPrefixes
+from .projections import FusedProjections
 from .rope import RopeOp
 
 NAME = "genback_decode"
-
-# stacked queries x prefix keys from which level 0 runs unmasked by default on CUDA
-# (flash_level0_pays)
-FLASH0_MIN_WORK = 1 << 22
-
-
-def flash_level0_pays(queries: int, keys: int) -> bool:
-    """Whether level 0 of a bucket with ``queries`` stacked queries (rows x query heads per KV
-    head) over a ``keys``-slot prefix bucket runs its keys before the last 256 unmasked
-    (``DecodeStep.flash_level0`` None, on CUDA): from :data:`FLASH0_MIN_WORK` on. Measured on
-    an H200, 8B Llama shape, bf16 (``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200
-    (session 57)"): GPU time a step, unmasked / with the bias, 1,024 queries x 4,096 keys 19.9 /
-    22.6 ms (the masked memory-efficient kernel 8.1 ms of it); 1,024 x 1,024 17.9 / 17.6; 64 x
-    1,024 9.7 / 9.2 and 64 x 4,096 14.3 / 13.3 (FlashAttention's split-KV and combine kernels
-    and the extra masked chunk cost more than they save)."""
-    return queries * keys >= FLASH0_MIN_WORK
 
 # most rows x table width one forward of the step may have (the level-1 gather is [2, kv_heads,
 # rows * width, head_dim] per layer); a wider step is run in chunks of rows (MAX_CHUNKS)
@@ -173,6 +159,11 @@ class DecodeStep:
             during the step's forwards (the same values bit for bit, 4 kernels for the query and
             4 for the key of each layer where transformers runs 5 each: :mod:`.rope`); default
             True on CUDA, False elsewhere. Set it before the first step.
+        fuse_projections: each layer's query, key and value projections run as one matrix
+            product, and its MLP's gate and up as one, during the step's forwards
+            (:mod:`.projections`: the model's weights are laid out once as blocks of one tensor,
+            values unchanged); default True on CUDA, False elsewhere. Set it before the first
+            step.
         fused: the model's RMSNorms run as one ``torch.compile``'d function during the step's
             forwards (:mod:`.fused`: 8 kernels a norm become one or two) and the cascade's
             levels are merged by a compiled :func:`.cascade.merge_levels`; default False (on an
@@ -203,11 +194,13 @@ class DecodeStep:
         self.min_prefix = 1
         self.level0_min_tokens, self.level0_min_saved = 256, 4096
         self.flash_level0: bool | None = None
-        self.norm_op = self.rope_op = self.keep_level0 = pool.device.type == "cuda"
+        self.norm_op = self.rope_op = self.keep_level0 = self.fuse_projections = \
+            pool.device.type == "cuda"
         self.level0 = KeptPrefixes(pool)
         self.fused = False
         self._norms: FusedNorms | None = None
         self._rope: RopeOp | None = None
+        self._projections: FusedProjections | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
         self._split_age = 0  # steps split alike since the whole step was tried
@@ -358,6 +351,10 @@ class DecodeStep:
         if self.pool.version != self._version:  # the store moved: graphs hold its old address
             self.clear()
             self._version = self.pool.version
+        if self.fuse_projections and self._projections is None:
+            self._projections = FusedProjections(self.model)
+            if self._projections.relaid:  # (weights moved: a graph would read the old ones)
+                self.clear()
         key = bucket(R, W, P)
         buf = self.buffers.get(key)
         if buf is None:
@@ -388,7 +385,9 @@ class DecodeStep:
             if self._rope is None:
                 self._rope = RopeOp(model)
             rope = self._rope
-        with torch.inference_mode(), tree_attention.active(buf), norms, rope, \
+        projections = (self._projections if self.fuse_projections and self._projections
+                       else contextlib.nullcontext())
+        with torch.inference_mode(), tree_attention.active(buf), norms, rope, projections, \
                 tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
             out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,

@@ -1,0 +1,197 @@
+"""The decode step's fused projections (``decode/projections.py``, ``DecodeStep.fuse_projections``,
+the default on CUDA): each layer's query, key and value weights, and its MLP's gate and up, laid
+out once as blocks of one tensor (values, parameters and every other forward unchanged, saved
+files the same), one product per group inside the step's forwards, never a second copy; an SMC
+run with it answers as without it, on a random Llama and on the real SmolLM2."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from genback.llm import AsyncTransformer
+from genback.runners.hf.decode import projections
+from genback.runners.hf.decode.projections import FusedProjections, joined
+
+from test_decode_step import CUDA, _llama, no_tf32  # noqa: F401 (a fixture)
+from test_llm_tree import _smc_trace
+
+
+class _Products(TorchDispatchMode):
+    """Counts the matrix products a forward dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.linear, torch.ops.aten.mm,
+                                              torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+def _groups(model):
+    return [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+            for layer in model.model.layers] + \
+        [[layer.mlp.gate_proj, layer.mlp.up_proj] for layer in model.model.layers]
+
+
+def _logits(model, ids, fused=None):
+    with torch.inference_mode():
+        if fused is None:
+            return model(ids).logits
+        with fused:
+            return model(ids).logits
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_weights_become_blocks_of_one_tensor_and_other_forwards_are_unchanged(device, no_tf32):
+    """After a FusedProjections: each group's parameters are the same objects with the same
+    values, now consecutive blocks of one contiguous tensor (``joined`` finds it); the model's
+    own forward gives the same logits bit for bit; inside ``with`` a layer runs 4 products for
+    its 7 and the logits are within float32 rounding; a second instance copies nothing. On
+    the CPU and on CUDA (fp32, TF32 off)."""
+    model = _llama(300, device, torch.float32)
+    ids = torch.randint(0, 300, (3, 11), generator=torch.Generator().manual_seed(1)).to(device)
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    params = [id(p) for p in model.parameters()]
+    ref = _logits(model, ids)
+    with _Products() as c:
+        _logits(model, ids)
+    plain_products = c.count
+
+    fused = FusedProjections(model)
+    assert fused.count == fused.relaid == 4  # (2 layers x attention and MLP)
+    assert [id(p) for p in model.parameters()] == params
+    for p in model.parameters():
+        assert torch.equal(p.detach(), before[id(p)])
+    for group in _groups(model):
+        whole = joined([m.weight.detach() for m in group])
+        assert whole is not None and whole.is_contiguous()
+        assert whole.shape[0] == sum(m.out_features for m in group)
+    assert torch.equal(_logits(model, ids), ref)
+
+    with _Products() as c:
+        got = _logits(model, ids, fused)
+    assert c.count == plain_products - 3 * 2  # (2 fewer a layer's attention, 1 its MLP)
+    assert float((got - ref).abs().max()) <= 1e-5
+    assert all(not vars(m).get("forward") for g in _groups(model) for m in g)  # (put back)
+
+    where = [m.weight.data_ptr() for g in _groups(model) for m in g]
+    again = FusedProjections(model)
+    assert again.count == 4 and again.relaid == 0
+    assert [m.weight.data_ptr() for g in _groups(model) for m in g] == where
+
+
+def test_save_pretrained_writes_the_same_tensors(tmp_path):
+    """A model whose weights were joined saves the same tensors under the same names as before
+    (transformers copies views that share a storage), and loads back to the same logits."""
+    from transformers import LlamaForCausalLM
+
+    model = _llama(300, "cpu", torch.float32)
+    ids = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(2))
+    model.save_pretrained(tmp_path / "before")
+    FusedProjections(model)
+    model.save_pretrained(tmp_path / "after")
+    a = load_file(tmp_path / "before" / "model.safetensors")
+    b = load_file(tmp_path / "after" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "after").eval()
+    assert torch.equal(_logits(back, ids), _logits(model, ids))
+
+
+def test_what_cannot_share_a_product_keeps_its_own():
+    """A group with a hooked module, a module shared by two layers, and a module replaced after
+    the weights were joined (as a LoRA wrapper would be) are not fused: their weights stay
+    where they were, and inside ``with`` every layer's output is its own product's (equal to
+    the model's forward without it, within rounding)."""
+    model = _llama(300, "cpu", torch.float32)
+    layer0, layer1 = model.model.layers
+    layer0.self_attn.k_proj.register_forward_hook(lambda *a: None)
+    layer1.mlp.up_proj = layer0.mlp.up_proj  # (one module in two groups)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(3))
+    k_where = layer0.self_attn.k_proj.weight.data_ptr()
+    fused = FusedProjections(model)
+    assert fused.count == 1  # (layer 1's attention only)
+    assert layer0.self_attn.k_proj.weight.data_ptr() == k_where
+    ref = _logits(model, ids)
+    assert float((_logits(model, ids, fused) - ref).abs().max()) <= 1e-5
+    new_v = torch.nn.Linear(128, layer1.self_attn.v_proj.out_features, bias=False)
+    new_v.weight.data.copy_(layer1.self_attn.v_proj.weight.detach() * 2)
+    layer1.self_attn.v_proj = new_v  # (replaced: its product is its own)
+    ref = _logits(model, ids)
+    with _Products() as c:
+        got = _logits(model, ids, fused)
+    with _Products() as plain:
+        _logits(model, ids)
+    assert c.count == plain.count  # (nothing fused now)
+    assert float((got - ref).abs().max()) <= 1e-5
+
+
+def test_a_member_called_on_another_input_computes_its_own_product():
+    """Inside ``with``, the key projection called on a tensor other than the one the query
+    projection saw (or before it) returns its own product of that tensor; on the same tensor,
+    its block of the group's product."""
+    model = _llama(300, "cpu", torch.float32)
+    fused = FusedProjections(model)
+    attn = model.model.layers[0].self_attn
+    x, y = torch.randn(2, 3, 128), torch.randn(2, 3, 128)
+    with torch.inference_mode():
+        want_kx, want_ky = attn.k_proj(x), attn.k_proj(y)
+        with fused:
+            k_first = attn.k_proj(x)
+            attn.q_proj(x)
+            k_same, k_other = attn.k_proj(x), attn.k_proj(y)
+    for got, want in ((k_first, want_kx), (k_same, want_kx), (k_other, want_ky)):
+        assert float((got - want).abs().max()) <= 1e-5
+    assert k_same.data_ptr() != want_kx.data_ptr() and not k_same.is_contiguous()  # (a view)
+
+
+def _smc_rows(lm, trace):
+    lm.cache_kv(trace[0][0][:-1])
+
+    async def run():
+        return [torch.stack(await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts)))
+                for contexts in trace]
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("model_name", ["llama", "smollm2"])
+def test_an_smc_run_with_fused_projections_answers_as_without(gpt2_tok, request, monkeypatch,
+                                                              model_name):
+    """SMC with resampling through the eager decode step on the CPU (where
+    ``fuse_projections`` is off by default), on a random Llama and on SmolLM2-135M: with it on,
+    every layer's groups run as one product at every step (counted), every row is within
+    float32 rounding of the run without it and within 1e-4 of an uncached forward."""
+    model, tok = ((_llama(len(gpt2_tok), "cpu", torch.float32), gpt2_tok)
+                  if model_name == "llama" else request.getfixturevalue("smol_hf"))
+    layers = model.config.num_hidden_layers
+    trace = _smc_trace(random.Random(4), 40, 8, 6, 2, 400)
+    calls = []
+    real = projections._Group.forwards
+    monkeypatch.setattr(projections._Group, "forwards",
+                        lambda self: calls.append(1) or real(self))
+    rows = {}
+    for on in (False, True):
+        lm = AsyncTransformer(model, tok, batch_window=0.05, row_cache_size=0, decode="eager")
+        step = lm.runner.decode_step
+        assert not step.fuse_projections  # (the CPU's default)
+        step.fuse_projections = on
+        try:
+            rows[on] = _smc_rows(lm, trace)
+            assert lm.cache_info()["decode_steps"] == len(trace)
+            assert len(calls) == (2 * layers * len(trace) if on else 0)
+            for j in (0, len(trace[-1]) - 1):
+                ref = lm.next_token_logprobs_uncached(trace[-1][j])
+                assert float((rows[on][-1][j] - ref).abs().max()) <= 1e-4
+        finally:
+            lm.close()
+    for a, b in zip(rows[True], rows[False]):
+        assert float((a - b).abs().max()) <= 1e-5
