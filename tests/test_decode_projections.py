@@ -135,6 +135,31 @@ def test_what_cannot_share_a_product_keeps_its_own():
     assert float((got - ref).abs().max()) <= 1e-5
 
 
+def test_a_group_without_room_for_its_copy_stays_apart(monkeypatch):
+    """When the joined copy of a group does not fit (``torch.cat`` raises the allocator's
+    ``OutOfMemoryError``: here the second group's), that group keeps its weights where they were
+    and its own products; the others are fused; the logits are the model's."""
+    model = _llama(300, "cpu", torch.float32)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    ref = _logits(model, ids)
+    cat, calls = torch.cat, []
+
+    def tight_cat(tensors, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return cat(tensors, *args, **kwargs)
+    mlp0 = model.model.layers[0].mlp  # (groups in module order: layer 0's attention, its MLP)
+    where = [m.weight.data_ptr() for m in (mlp0.gate_proj, mlp0.up_proj)]
+    monkeypatch.setattr(torch, "cat", tight_cat)
+    fused = FusedProjections(model)
+    monkeypatch.setattr(torch, "cat", cat)
+    assert fused.count == fused.relaid == 3
+    assert [m.weight.data_ptr() for m in (mlp0.gate_proj, mlp0.up_proj)] == where
+    assert joined([mlp0.gate_proj.weight.detach(), mlp0.up_proj.weight.detach()]) is None
+    assert float((_logits(model, ids, fused) - ref).abs().max()) <= 1e-5
+
+
 def test_a_member_called_on_another_input_computes_its_own_product():
     """Inside ``with``, the key projection called on a tensor other than the one the query
     projection saw (or before it) returns its own product of that tensor; on the same tensor,

@@ -56,21 +56,26 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(storage, first.storage_offset(), (rows, *first.shape[1:]))
 
 
-def join(params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, bool]:
-    """``(tensor, relaid)``: :func:`joined` of ``params``' data; when they are not laid out so,
-    a new contiguous tensor of their rows, each parameter's ``data`` then made a view of its
-    block (the parameter objects stay; ``relaid`` True). Call it outside inference mode."""
+def join(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """:func:`joined` of ``params``' data; when they are not laid out so, a new contiguous
+    tensor of their rows, each parameter's ``data`` then made a view of its block (the
+    parameter objects and their values stay). Call it outside inference mode.
+
+    Raises:
+        torch.OutOfMemoryError: no room for the new tensor (the parameters are left as they
+            were).
+    """
     data = [p.detach() for p in params]
     whole = joined(data)
     if whole is not None:
-        return whole, False
+        return whole
     with torch.no_grad():
         whole = torch.cat(data)
     start = 0
     for p in params:
         p.data = whole[start:start + p.shape[0]]
         start += p.shape[0]
-    return whole, True
+    return whole
 
 
 def _fusable(modules: list) -> bool:
@@ -140,7 +145,8 @@ class FusedProjections:
     Attributes:
         count: groups fused (0: nothing to fuse, the context does nothing).
         relaid: groups whose weights this instance laid out anew (0 when they already were,
-            e.g. by an earlier instance: then no tensor any graph reads has moved).
+            e.g. by an earlier instance: then no tensor any graph reads has moved). A group
+            with no room on its device for the copy stays apart (unfused, unchanged).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -161,12 +167,14 @@ class FusedProjections:
             for parent, names, modules in candidates:
                 if any(counts[id(m)] > 1 or counts[id(m.weight)] > 1 for m in modules):
                     continue
-                weight, moved = join([m.weight for m in modules])
-                bias = None
-                if modules[0].bias is not None:
-                    bias, bias_moved = join([m.bias for m in modules])
-                    moved = moved or bias_moved
-                self.relaid += moved
+                where = _where(modules)
+                try:
+                    weight = join([m.weight for m in modules])
+                    bias = None if modules[0].bias is None else join([m.bias for m in modules])
+                except torch.OutOfMemoryError:  # (no room for a group's copy: it stays apart)
+                    self.relaid += _where(modules) != where
+                    continue
+                self.relaid += _where(modules) != where
                 self.groups.append(_Group(parent, names, modules, weight, bias))
         self.count = len(self.groups)
         self._entered: list[list] = []
