@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode import projections
+from genback.runners.hf.decode import projections, rope
 from genback.runners.hf.decode.projections import FusedProjections, joined
 
 from test_decode_step import CUDA, _llama, no_tf32  # noqa: F401 (a fixture)
@@ -192,31 +192,39 @@ def _smc_rows(lm, trace):
 def test_an_smc_run_with_fused_projections_answers_as_without(gpt2_tok, request, monkeypatch,
                                                               model_name):
     """SMC with resampling through the eager decode step on the CPU (where
-    ``fuse_projections`` is off by default), on a random Llama and on SmolLM2-135M: with it on,
-    every layer's groups run as one product at every step (counted), every row is within
-    float32 rounding of the run without it and within 1e-4 of an uncached forward."""
+    ``fuse_projections`` and ``rope_op`` are off by default), on a random Llama and on
+    SmolLM2-135M: with fused projections every layer's groups run as one product at every step
+    (counted), every row is within float32 rounding of the run without them and within 1e-4 of
+    an uncached forward; with ``rope_op`` as well (CUDA's defaults) every layer's query and key
+    are rotated together (counted) and every row equals the fused run's bit for bit."""
     model, tok = ((_llama(len(gpt2_tok), "cpu", torch.float32), gpt2_tok)
                   if model_name == "llama" else request.getfixturevalue("smol_hf"))
     layers = model.config.num_hidden_layers
     trace = _smc_trace(random.Random(4), 40, 8, 6, 2, 400)
-    calls = []
-    real = projections._Group.forwards
+    calls, joint = [], []
+    real, real_joint = projections._Group.forwards, rope.joint_heads
     monkeypatch.setattr(projections._Group, "forwards",
                         lambda self: calls.append(1) or real(self))
+    monkeypatch.setattr(rope, "joint_heads",
+                        lambda *a: (lambda qk: joint.append(qk is not None) or qk)(real_joint(*a)))
     rows = {}
-    for on in (False, True):
+    for fuse, rope_op in ((False, False), (True, False), (True, True)):
         lm = AsyncTransformer(model, tok, batch_window=0.05, row_cache_size=0, decode="eager")
         step = lm.runner.decode_step
-        assert not step.fuse_projections  # (the CPU's default)
-        step.fuse_projections = on
+        assert not step.fuse_projections and not step.rope_op  # (the CPU's defaults)
+        step.fuse_projections, step.rope_op = fuse, rope_op
         try:
-            rows[on] = _smc_rows(lm, trace)
+            rows[fuse, rope_op] = got = _smc_rows(lm, trace)
             assert lm.cache_info()["decode_steps"] == len(trace)
-            assert len(calls) == (2 * layers * len(trace) if on else 0)
+            assert len(calls) == (2 * layers * len(trace) if fuse else 0)
+            assert joint == ([True] * layers * len(trace) if rope_op else [])
             for j in (0, len(trace[-1]) - 1):
                 ref = lm.next_token_logprobs_uncached(trace[-1][j])
-                assert float((rows[on][-1][j] - ref).abs().max()) <= 1e-4
+                assert float((got[-1][j] - ref).abs().max()) <= 1e-4
         finally:
             lm.close()
-    for a, b in zip(rows[True], rows[False]):
+        calls.clear()
+        joint.clear()
+    for a, b, c in zip(rows[False, False], rows[True, False], rows[True, True]):
         assert float((a - b).abs().max()) <= 1e-5
+        assert torch.equal(b, c)

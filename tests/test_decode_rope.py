@@ -17,7 +17,8 @@ from transformers.models.llama import modeling_llama
 
 from genback.llm import AsyncTransformer
 from genback.runners.hf.decode import rope
-from genback.runners.hf.decode.rope import RopeOp, apply_rotary_pos_emb, is_half_split_rope
+from genback.runners.hf.decode.rope import (RopeOp, apply_rotary_pos_emb, is_half_split_rope,
+                                            joint_heads)
 
 from test_decode_step import CUDA, _llama
 from test_llm_tree import _smc_trace
@@ -49,13 +50,47 @@ def test_rope_is_transformers_bit_for_bit(device, dtype):
                     assert torch.equal(a, b), (D, T, dim)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_rope_of_one_products_query_and_key_is_transformers_bit_for_bit(device, dtype):
+    """The query and the key as an attention layer views them from one product of the fused
+    projections (``[B, T, (Hq + Hk + Hv) * D]``: heads after the positions, transposed or not):
+    rotated together (``joint_heads`` finds them; the kernels of one tensor, counted: 4 for
+    the 8 of two) to the same values as Llama's ``apply_rotary_pos_emb``, bit for bit. Tensors
+    that only look alike (another product's key, a key not right after the query) are rotated
+    apart, with the same values."""
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hk, D = 3, 4, 2, 64
+    for T, dim in ((1, 1), (1, 2), (2, 1), (2, 2)):  # (one new token: a decode step's)
+        y = (torch.randn(B, T, (Hq + 2 * Hk) * D, generator=g) * 7).to(device, dtype)
+        cos, sin = (torch.randn(B, T, D, generator=g).to(device, dtype) for _ in range(2))
+        q = y[..., :Hq * D].view(B, T, Hq, D)
+        k = y[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D)
+        v = y[..., (Hq + Hk) * D:].view(B, T, Hk, D)
+        if dim == 1:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        assert joint_heads(q, k, dim) is not None
+        assert joint_heads(q, v, dim) is None and joint_heads(k, q, dim) is None
+        assert joint_heads(q, k.clone(), dim) is None
+        want = LLAMAS(q, k, cos, sin, unsqueeze_dim=dim)
+        with _Ops() as c:
+            got = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=dim)
+        assert len(c.ops) == 2 + 4  # (the signed sine, made outside a RopeOp: 2)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a, b), dim
+        apart = apply_rotary_pos_emb(q, k.clone(), cos, sin, unsqueeze_dim=dim)
+        for a, b in zip(apart, want):
+            assert torch.equal(a, b), dim
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket not in (torch.ops.aten.unsqueeze, torch.ops.aten.slice):
+        if func.overloadpacket not in (torch.ops.aten.unsqueeze, torch.ops.aten.slice,
+                                       torch.ops.aten.as_strided):
             self.ops.append(func.overloadpacket.__name__)  # (views launch no kernel)
         return func(*args, **(kwargs or {}))
 

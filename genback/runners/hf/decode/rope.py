@@ -15,7 +15,10 @@ forward (the model passes every layer the same ``sin`` tensor):
 
 element by element and bit for bit (``-a * b == a * -b`` in IEEE arithmetic; the products and
 the sum are transformers' own, in its order), so the rows are the model's own: 2 kernels fewer
-per layer (62 fewer per step on the 8B shape, 30 on the 1B).
+per layer (62 fewer per step on the 8B shape, 30 on the 1B). Where the query and the key are
+blocks of one product (the decode step's fused projections, :mod:`.projections`: the key's heads
+follow the query's in memory, :func:`joint_heads`), both are rotated together by the same 4
+kernels, 4 more fewer per layer; the results are then views of one tensor.
 
 :class:`RopeOp` swaps it in for the modeling modules of the model's attention layers whose
 ``apply_rotary_pos_emb`` is transformers' half-split form (checked by its code, and its
@@ -66,9 +69,33 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = _signed(sin).unsqueeze(unsqueeze_dim)
     shift = q.shape[-1] - q.shape[-1] // 2  # (rotate_half's second half comes first)
+    qk = joint_heads(q, k, unsqueeze_dim)
+    if qk is not None:  # (one product's columns: both rotated by the same 4 kernels)
+        embed = (qk * cos) + (qk.roll(shift, -1) * sin)
+        heads = q.shape[unsqueeze_dim]
+        return (embed.narrow(unsqueeze_dim, 0, heads),
+                embed.narrow(unsqueeze_dim, heads, k.shape[unsqueeze_dim]))
     q_embed = (q * cos) + (q.roll(shift, -1) * sin)
     k_embed = (k * cos) + (k.roll(shift, -1) * sin)
     return q_embed, k_embed
+
+
+def joint_heads(q: torch.Tensor, k: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """``q`` and ``k`` as one tensor of their heads (axis ``dim``) together, a view, when
+    ``k``'s heads continue ``q``'s in memory: the query and key blocks of one product of the
+    decode step's fused projections (:mod:`.projections`), viewed as heads by the attention
+    layer. None otherwise (each is then rotated apart)."""
+    if (q.dim() != 4 or k.dim() != 4 or q.dtype != k.dtype or q.device != k.device
+            or q.shape[:dim] + q.shape[dim + 1:] != k.shape[:dim] + k.shape[dim + 1:]
+            or any(q.stride(i) != k.stride(i) for i in range(4)  # (a size-1 axis's stride
+                   if i != dim and q.shape[i] > 1)  # is never used)
+            or (k.shape[dim] > 1 and k.stride(dim) != q.stride(dim))
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+            or k.storage_offset() != q.storage_offset() + q.shape[dim] * q.stride(dim)):
+        return None
+    shape = list(q.shape)
+    shape[dim] += k.shape[dim]
+    return q.as_strided(shape, q.stride(), q.storage_offset())
 
 
 def _same_code(a, b) -> bool:
@@ -159,4 +186,4 @@ class RopeOp:
                     sys.modules[name].apply_rotary_pos_emb = own
 
 
-__all__ = ["RopeOp", "apply_rotary_pos_emb", "is_half_split_rope"]
+__all__ = ["RopeOp", "apply_rotary_pos_emb", "is_half_split_rope", "joint_heads"]
