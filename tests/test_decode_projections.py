@@ -228,3 +228,35 @@ def test_an_smc_run_with_fused_projections_answers_as_without(gpt2_tok, request,
     for a, b, c in zip(rows[False, False], rows[True, False], rows[True, True]):
         assert float((a - b).abs().max()) <= 1e-5
         assert torch.equal(b, c)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_families_fused_answer_as_uncached(gpt2_tok, family):
+    """Families whose groups differ from Llama's: Qwen2 (q/k/v with biases: joined too) and
+    Qwen3 (a norm on the query's and key's heads after their products). An SMC run through the
+    eager decode step with CUDA's defaults (fused projections, the norm and RoPE ops): every
+    group fused, every row of the last step within 1e-4 of an uncached forward."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=len(gpt2_tok), hidden_size=128, intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=4096)
+    model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if family == "qwen2"
+             else Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32))).eval()
+    trace = _smc_trace(random.Random(5), 40, 8, 4, 2, 400)
+    lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0, decode="eager")
+    step = lm.runner.decode_step
+    step.fuse_projections = step.rope_op = step.norm_op = True
+    try:
+        rows = _smc_rows(lm, trace)
+        assert lm.cache_info()["decode_steps"] == len(trace)
+        assert step._projections.count == 4
+        attn = model.model.layers[0].self_attn
+        if family == "qwen2":  # (the biases are blocks of one tensor as well)
+            assert joined([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]) is not None
+        for j in range(len(trace[-1])):
+            ref = lm.next_token_logprobs_uncached(trace[-1][j])
+            assert float((rows[-1][j] - ref).abs().max()) <= 1e-4
+    finally:
+        lm.close()
