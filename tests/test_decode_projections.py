@@ -244,6 +244,10 @@ def test_other_families_fused_answer_as_uncached(gpt2_tok, family):
                  max_position_embeddings=4096)
     model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if family == "qwen2"
              else Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32))).eval()
+    with torch.no_grad():  # (transformers initialises biases to 0: give them values)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.5)
     trace = _smc_trace(random.Random(5), 40, 8, 4, 2, 400)
     lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0, decode="eager")
     step = lm.runner.decode_step
