@@ -390,7 +390,9 @@ def test_particles_with_equal_contexts_keep_their_steps_uniform(tiny_hf, gpt2_to
     answers their equal queries once, so only one of the objects is noted as a parent. Their
     children's parents are then found by their tokens (``KVTree.end_node``): every step after the
     first is planned as a uniform step, none by the full planner (counted), on the decode step and
-    on the tree path, with lists and with context objects; every row exact."""
+    on the tree path, with lists and with context objects; and laid out from the last step's
+    rows (the row of the equal context that was answered: ``Lanes.rows``), every step after the
+    first (counted); every row exact."""
     from genback.runners.hf import runner as runner_module
 
     full_plans = []
@@ -404,23 +406,28 @@ def test_particles_with_equal_contexts_keep_their_steps_uniform(tiny_hf, gpt2_to
 
     async def run():
         parts = ([lm.context(prompt)] if api == "contexts" else [list(prompt)]) * 8
-        worst = 0.0
+        worst, equal = 0.0, 0
         for step in range(8):
-            # two tokens among 8 particles: equal contexts, each particle its own object
-            parts = [p + [7 + (i + step) % 2 * (i % 3 == 0)] for i, p in enumerate(parts)]
+            # resampled parents, two tokens: equal contexts, each particle its own object, and
+            # contexts of one length and last token that differ before it
+            parts = [parts[rng.randrange(8)] + [rng.choice((7, 8))] for _ in parts]
+            equal += len(parts) - len({tuple(p) for p in parts})
             rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
             worst = max(worst, _max_err(rows, [list(c) for c in parts], lm))
-        return worst, parts
+        return worst, equal
 
     try:
         lm.cache_kv(prompt)
         full_plans.clear()
-        worst, parts = asyncio.run(run())
-        assert len({tuple(p) for p in parts}) < len(parts)  # (equal contexts did occur)
+        worst, equal = asyncio.run(run())
+        assert equal > 0  # (equal contexts did occur)
         assert worst <= 1e-5
         assert full_plans == []
+        info = lm.cache_info()
         if decode == "eager":
-            assert lm.cache_info()["decode_steps"] >= 7
+            assert info["decode_steps"] == 8 and info["decode_lane_steps"] == 7
+        else:
+            assert info["tree_lane_steps"] == 7
     finally:
         lm.close()
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ....context import last_ids
+
 # most steps laid out from lanes in a row before a full layout (which can find a longer shared
 # prefix); a full layout costs ~2.6 µs per row, a step from lanes ~1.1 (DecodeStep.layout at 256
 # rows, measured), so one in 17 adds ~0.1 µs per row
@@ -52,19 +54,22 @@ class Lanes:
         age: steps laid out from lanes since the last full layout (0 for a full layout's).
     """
 
-    __slots__ = ("keys", "adapter", "table", "pads", "prefix", "frees", "age")
+    __slots__ = ("keys", "adapter", "table", "pads", "prefix", "frees", "age", "_twins")
 
     def __init__(self, paths, table: np.ndarray, pads: np.ndarray, prefix, frees: int, age: int):
         self.keys = {id(p.tokens): (p.tokens, i) for i, p in enumerate(paths)}
         self.adapter = paths[0].adapter if paths else None
         self.table, self.pads, self.prefix = table, pads, prefix
         self.frees, self.age = frees, age
+        self._twins: dict | None = None  # (length, last id) -> [(context, row)], on a miss
 
     def rows(self, group, frees: int) -> np.ndarray | None:
-        """``int64 [len(group)]``: the row of each path's parent context (its query's
-        ``parent``, this very object) in this step's table; None when one has none, when the
-        group is of another adapter, when the pool freed slots since (``frees`` differs) or
-        when a full layout is due."""
+        """``int64 [len(group)]``: the row of each path's parent context in this step's table:
+        the row of that very object (its query's ``parent``), else of a context equal to it
+        (particles that held equal contexts as other objects asked one query, answered once:
+        the row of the one answered holds the same slots, as the pool freed none since); None
+        when one has none, when the group is of another adapter, when the pool freed slots
+        since (``frees`` differs) or when a full layout is due."""
         if frees != self.frees or self.age >= REFRESH or not group \
                 or group[0].adapter != self.adapter:
             return None
@@ -74,9 +79,30 @@ class Lanes:
             parent = p.outputs[0].query.parent
             entry = keys.get(id(parent))
             if entry is None or entry[0] is not parent:
-                return None
+                row = self._twin(parent)
+                if row is None:
+                    return None
+                out.append(row)
+                continue
             out.append(entry[1])
         return np.array(out, dtype=np.int64)
+
+    def _twin(self, context) -> int | None:
+        """The row of a context of this step equal to ``context`` (another object), or None;
+        the rows are indexed by length and last id at the first call, and compared only there
+        (an equal context is never flattened for it: :class:`~genback.context.Context`
+        compares a shared base by identity)."""
+        if context is None or not len(context):
+            return None
+        if self._twins is None:
+            entries = list(self.keys.values())
+            self._twins = {}
+            for (t, row), last in zip(entries, last_ids([t for t, _ in entries])):
+                self._twins.setdefault((len(t), last), []).append((t, row))
+        for t, row in self._twins.get((len(context), last_ids((context,))[0]), ()):
+            if t == context:
+                return row
+        return None
 
     def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(past, pads)`` of the step whose paths extend the contexts of ``rows`` by one
