@@ -168,6 +168,20 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         *path, attr = name.split(".")
         setattr(functools.reduce(getattr, path, step), attr, value)
     times, host, rows = [], [], None
+    # the host's time until the step's (first) graph launch and in the launches, per step: is
+    # the host's work before the GPU starts, or overlapped with it? (clocks around the decode
+    # step's StepGraphs.run: a replay's launch, or an eager or capturing forward)
+    marks, before_launch, in_launch = [], [], []
+    if step is not None:
+        graphs_run = step.graphs.run
+
+        def timed_run(*args, **kwargs):
+            marks.append(time.perf_counter())
+            try:
+                return graphs_run(*args, **kwargs)
+            finally:
+                marks.append(time.perf_counter())
+        step.graphs.run = timed_run
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
     G._sync(device)
@@ -189,6 +203,10 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             else:
                 got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
             host.append(time.perf_counter() - t)
+            if marks:
+                before_launch.append(marks[0] - t)
+                in_launch.append(sum(marks[i + 1] - marks[i] for i in range(0, len(marks), 2)))
+                marks.clear()
             G._sync(device)   # rows are on the device: their kernels are part of the step
             times.append(time.perf_counter() - t)
             if collect_between:  # the caller's new context lists, collected outside the step
@@ -206,6 +224,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         lm.close()
     out = {"prefill_s": prefill, "step_s": times, "host_s": float(np.mean(host)),
            "host_median_s": float(np.median(host)), "rows": rows,
+           **({"host_before_launch_median_s": float(np.median(before_launch)),
+               "host_in_launch_median_s": float(np.median(in_launch))} if before_launch else {}),
            "peak_bytes": peak, "attention": info.get("attention"),
            "forwards": info.get("forwards"), "tokens_forwarded": info.get("tokens_forwarded"),
            "decode": mode, **prof}  # (the --genback mode as given)
@@ -347,7 +367,10 @@ def report(cell: dict) -> str:
                      f"{c['steady_particle_tokens_per_s']:.1f} particle-tok/s")
         if "host_s" in c:
             extra = (f"    host {c['host_s'] * 1e3:.3f} ms/step (median "
-                     f"{c['host_median_s'] * 1e3:.3f})")
+                     f"{c['host_median_s'] * 1e3:.3f}"
+                     + (f"; before the launch {c['host_before_launch_median_s'] * 1e3:.3f}, in "
+                        f"it {c['host_in_launch_median_s'] * 1e3:.3f}"
+                        if "host_before_launch_median_s" in c else "") + ")")
             if "launches_per_step" in c:
                 extra += (f", launches {c['launches_per_step']:.0f}/step, GPU busy "
                           f"{c['gpu_busy_s_per_step'] * 1e3:.2f} ms/step "

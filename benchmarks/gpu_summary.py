@@ -28,7 +28,7 @@ def table(data: dict, old: dict | None = None) -> str:
     """One markdown table of a bench_gpu.py JSON document."""
     olds = {(c["particles"], c["prompt"]): c for c in (old or {}).get("cells", [])}
     head = ["N x P", "method", "mean tok/s", "steady tok/s", "steady ms", "host med ms",
-            "GPU busy ms", "launches", "captures", "err"] + (["vs old"] if old else [])
+            "before / in launch ms", "GPU busy ms", "launches", "captures", "err"] + (["vs old"] if old else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in data.get("cells", []):
         key = (cell["particles"], cell["prompt"])
@@ -39,6 +39,9 @@ def table(data: dict, old: dict | None = None) -> str:
                    "-" if steady is None else f"{steady:.0f}",
                    "-" if "steady_step_s" not in g else f"{g['steady_step_s'] * 1e3:.2f}",
                    "-" if "host_median_s" not in g else f"{g['host_median_s'] * 1e3:.2f}",
+                   "-" if "host_before_launch_median_s" not in g
+                   else (f"{g['host_before_launch_median_s'] * 1e3:.2f} / "
+                         f"{g['host_in_launch_median_s'] * 1e3:.2f}"),
                    "-" if "gpu_busy_s_per_step" not in g
                    else f"{g['gpu_busy_s_per_step'] * 1e3:.2f}",
                    "-" if "launches_per_step" not in g else (
