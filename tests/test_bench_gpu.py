@@ -110,16 +110,17 @@ def test_the_decode_step_option_modes_run_the_decode_step():
                           "--steps", "4", "--resample", "2", "--no-loop",
                           "--genback", "eager,eager-dense,eager-cascade,eager-flash0,eager-fused,"
                           "eager-normop,eager-noflash0,eager-ropeop,eager-capture1,"
-                          "eager-gather0"])
+                          "eager-gather0,eager-fuseproj,eager-splitproj"])
     (cell,) = out["cells"]
     for name in ("genback", "genback[eager-dense]", "genback[eager-cascade]",
                  "genback[eager-flash0]", "genback[eager-fused]", "genback[eager-normop]",
                  "genback[eager-noflash0]", "genback[eager-ropeop]", "genback[eager-capture1]",
-                 "genback[eager-gather0]"):
+                 "genback[eager-gather0]", "genback[eager-fuseproj]",
+                 "genback[eager-splitproj]"):
         assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
     for mode in ("auto-flash0", "auto-dense", "auto-cascade", "auto-fused", "auto-modelnorm",
-                 "auto-modelrope", "auto-capture1", "auto-gather0"):
+                 "auto-modelrope", "auto-capture1", "auto-gather0", "auto-splitproj"):
         with pytest.raises(ValueError, match=f"--genback {mode}: .*decode='auto' on cpu runs none"):
             bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])
@@ -195,4 +196,11 @@ def test_session_summary_lists_every_cell_and_the_old_codes_ratio(tmp_path):
         assert cols[2] == f"{cell['genback']['particle_tokens_per_s']:.0f}"
         assert cols[-1] == "2.00x"  # the new default method's mean over the old one's
     assert all(r.rstrip(" |").endswith("| -") for r in rows[1::2])  # no old figure for off
+    # the host's time before the decode step's launch and in it: on the decode step only
+    for r, cell in zip(rows[::2], data["cells"]):
+        g = cell["genback"]
+        assert r.strip("| ").split(" | ")[6] == (f"{g['host_before_launch_median_s'] * 1e3:.2f} / "
+                                                 f"{g['host_in_launch_median_s'] * 1e3:.2f}")
+        assert 0 < g["host_before_launch_median_s"] < g["host_median_s"]
+    assert all(r.strip("| ").split(" | ")[6] == "-" for r in rows[1::2])
     assert gpu_summary.summary(tmp_path / "none").startswith("no bench_gpu.py JSON")
