@@ -149,9 +149,10 @@ def test_a_decode_step_with_no_padded_row_attends_without_a_mask(tiny_hf, gpt2_t
 
 
 def test_rows_of_another_adapter_or_a_stale_pool_are_not_reused():
-    """``Lanes.rows``: each path's row by its parent context's identity; None for a group of
-    another adapter, after the pool freed slots, once a full layout is due, or for a parent
-    that was not a row (an equal context that is another object included)."""
+    """``Lanes.rows``: each path's row by its parent context's identity, else by an equal
+    context's (another object: a twin whose query was answered); None for a group of another
+    adapter, after the pool freed slots, once a full layout is due, or for a parent equal to no
+    row (one of the same length and last id that differs before it included)."""
     parents = [(1, 2, 3), (1, 2, 4)]
     paths = [Path(c, None, 2, [Output(0, NextToken(c), 3)]) for c in parents]
     lanes = Lanes(paths, np.array([[7, 8], [7, 9]]), np.zeros(2, dtype=np.int64), [], 5, 0)
@@ -166,6 +167,10 @@ def test_rows_of_another_adapter_or_a_stale_pool_are_not_reused():
     assert lanes.rows(step([parents[1], parents[0], parents[1]]), 5).tolist() == [1, 0, 1]
     assert lanes.rows(step(parents, adapter=3), 5) is None
     assert lanes.rows(step(parents), 6) is None
-    assert lanes.rows(step([tuple(parents[0])[:2] + (3,)]), 5) is None  # equal, not the object
+    twin = tuple(parents[0])[:2] + (3,)  # equal to parents[0], another object
+    assert twin is not parents[0]
+    assert lanes.rows(step([parents[1], twin]), 5).tolist() == [1, 0]
+    assert lanes.rows(step([(1, 5, 3)]), 5) is None  # (same length and last id, not equal)
+    assert lanes.rows(step([(2, 4)]), 5) is None
     old = Lanes(paths, lanes.table, lanes.pads, [], 5, REFRESH)
     assert old.rows(step(parents), 5) is None
