@@ -159,11 +159,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     lm.scheduler.inline_cohort = not worker
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
-        raise ValueError(f"--genback {mode}: -dense, -cascade, -flash0, -noflash0, -fused, "
-                         "-normop, -modelnorm, -ropeop, -modelrope, -gather0, -splitproj, -fuseproj and "
-                         "-capture1 set "
-                         f"the decode step's options, and decode={decode!r} on {device} runs none "
-                         "(use eager-...)")
+        raise ValueError(f"--genback {mode}: {', '.join(STEP_OPTIONS)} set the decode step's "
+                         f"options, and decode={decode!r} on {device} runs none (use eager-...)")
     for name, value in options:  # ("graphs.capture_after": the step's StepGraphs')
         *path, attr = name.split(".")
         setattr(functools.reduce(getattr, path, step), attr, value)

@@ -172,10 +172,10 @@ class FusedProjections:
                     weight = join([m.weight for m in modules])
                     bias = None if modules[0].bias is None else join([m.bias for m in modules])
                 except torch.OutOfMemoryError:  # (no room for a group's copy: it stays apart)
-                    self.relaid += _where(modules) != where
-                    continue
+                    weight = None
                 self.relaid += _where(modules) != where
-                self.groups.append(_Group(parent, names, modules, weight, bias))
+                if weight is not None:
+                    self.groups.append(_Group(parent, names, modules, weight, bias))
         self.count = len(self.groups)
         self._entered: list[list] = []
 

@@ -10,8 +10,9 @@ Listing the tree's segments of every path again (:func:`.segments.split_segments
 from each holder, the union's columns, the chains, the expansion) costs ~2.6 µs per row at 256
 rows on this project's CPU (``bench_host.py --decode eager``, measured); instead a step keeps its
 table, and which row each context has by the identity of the context object (as
-:class:`..cache.ends.Ends` does), and the next step's table is ``table[rows]`` plus a column:
-one dictionary look-up per row, the rest NumPy.
+:class:`..cache.ends.Ends` does; a parent that is another object equal to a row's context, a
+particle's twin whose query was answered, takes that row), and the next step's table is
+``table[rows]`` plus a column: one dictionary look-up per row, the rest NumPy.
 
 When a step's rows are still right: the slots of a cached context's KV never change while it is
 cached (splits and merges of tree nodes join or split index arrays; KV never moves), so a row is
