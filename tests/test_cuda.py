@@ -215,7 +215,7 @@ def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_
     CUDA every captured graph verified. ``set``: ``flash_level0 = True``; ``default``: None,
     with the size from which it pays (``FLASH0_MIN_WORK``) lowered to this small step's, so
     that it runs by default on CUDA and not on the CPU."""
-    from genback.runners.hf.decode import step as decode_step
+    from genback.runners.hf.decode import cascade, step as decode_step
     ref32 = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok)
     lm = AsyncTransformer(model_on(tiny_hf, device, torch.bfloat16), gpt2_tok, batch_window=0.01,
                           decode="auto" if device == "cuda" else "eager")
@@ -223,7 +223,9 @@ def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_
         lm.runner.decode_step.flash_level0 = True
     else:
         assert lm.runner.decode_step.flash_level0 is None
-        monkeypatch.setattr(decode_step, "FLASH0_MIN_WORK", 8 * 512)  # (8 rows x 512 keys)
+        # (where flash_level0_pays reads it; the step module only re-exports it)
+        monkeypatch.setattr(cascade, "FLASH0_MIN_WORK", 8 * 512)  # (8 rows x 512 keys)
+        assert decode_step.flash_level0_pays(8, 512) and not decode_step.flash_level0_pays(8, 511)
     from genback.runners.hf.forward import attention
     kernels, attend = [], attention._attend
     monkeypatch.setattr(attention, "_attend",
