@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_models as G  # noqa: E402
 from gpu_profile import profile_steps  # noqa: E402
+from step_phases import StepPhases, summary as phases_summary  # noqa: E402
 
 TOKEN_CHOICES = 64  # the Zipf law's support for appended tokens
 
@@ -140,7 +141,7 @@ STEP_OPTIONS = {
 
 
 def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="auto",
-                profile=False, collect_between=False) -> dict:
+                profile=False, collect_between=False, phases=False) -> dict:
     """Time the steps through ``AsyncTransformer(decode=decode)``; rows of the last step (copied
     to the host after the timing): float32 CPU ``[N, V]``; the host's part of each step (until
     ``gather`` returns, before the device synchronisation)."""
@@ -179,6 +180,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             finally:
                 marks.append(time.perf_counter())
         step.graphs.run = timed_run
+    phases = StepPhases(lm) if phases else None  # (--phases: step_phases.py's clocks)
     t0 = time.perf_counter()
     lm.cache_kv(prompt)
     G._sync(device)
@@ -193,6 +195,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         for parents, tokens in trace:
             parts = [parts[q] + [t] for q, t in zip(parents.tolist(), tokens.tolist())]  # untimed
             t = time.perf_counter()
+            if phases is not None:
+                phases.begin(t)
             if api == "batch":  # genlm-control's route: one call, one future
                 got = await lm.batch_next_token_logprobs(parts)
             elif api == "coroutine":  # a coroutine (so a task) around each query's future
@@ -200,6 +204,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             else:
                 got = await asyncio.gather(*(lm.next_token_logprobs(c) for c in parts))
             host.append(time.perf_counter() - t)
+            if phases is not None:
+                phases.end()
             if marks:
                 before_launch.append(marks[0] - t)
                 in_launch.append(sum(marks[i + 1] - marks[i] for i in range(0, len(marks), 2)))
@@ -215,8 +221,11 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         asyncio.run(steps())
         info = lm.cache_info()
         peak = G.peak_memory(device)
+        if phases is not None:
+            prof["host_phases"] = phases.medians()
+            phases.close()
         if profile:
-            prof = profile_steps(lm, prompt, trace, device, contexts=api == "context")
+            prof.update(profile_steps(lm, prompt, trace, device, contexts=api == "context"))
     finally:
         lm.close()
     out = {"prefill_s": prefill, "step_s": times, "host_s": float(np.mean(host)),
@@ -311,7 +320,7 @@ def run_cell(model, tokenizer, device, dev_rates, n, p, args, seed) -> dict:
     for i, decode in enumerate(args.genback):
         results["genback" if i == 0 else f"genback[{decode}]"] = run_genback(
             model, tokenizer, prompt, trace, device, args.batch_window, decode, args.profile,
-            args.collect_between)
+            args.collect_between, args.phases)
     fits, need = loop_fits(model, n, p, args.steps, device)
     cell["loop_kv_bytes"] = need
     if fits and not args.no_loop:
@@ -380,6 +389,9 @@ def report(cell: dict) -> str:
                           f" {c.get('decode_graphs_rejected', 0)} rejected,"
                           f" {gib(c['decode_graph_bytes'])}; split {c['decode_split_steps']})")
             lines.append(extra)
+        if c.get("host_phases"):  # (ms from the step's start + ms spent, medians)
+            lines.append("    phases (ms from the step's start + ms spent): "
+                         + phases_summary(c["host_phases"]))
         for kern in c.get("kernels", []):
             lines.append(f"      {kern['us_per_step']:9.1f} us/step {kern['calls_per_step']:7.1f} "
                          f"calls/step  {kern['name'][:110]}")
@@ -446,6 +458,9 @@ def parse(argv):
                          "outside the timed step, as bench_host.py does: genback's own host "
                          "time without the caller's cyclic GC (default: the collector runs "
                          "inside the steps, as in a plain SMC loop)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the named parts of each step (step_phases.py: when each first "
+                         "starts and how long it runs, medians over the steps)")
     ap.add_argument("--json", default=None, help="write the cells (and device facts) here")
     args = ap.parse_args(argv)
     tiny = args.tiny

@@ -20,10 +20,11 @@
 #                                            # tokens, the step runs in chunks of rows (split)
 #   bash benchmarks/gpu_session.sh cold      # a step's host operations right after a forward on
 #                                            # the GPU (and on this host's CPU) vs back to back
+#   bash benchmarks/gpu_session.sh phases    # 256-row steps' host parts before the launch
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | norms | 8b | 1b | trie | cascade | long | cold"}
+part=${1:?"part: all | tests | norms | 8b | 1b | trie | cascade | long | cold | phases"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -70,7 +71,7 @@ case "$part" in
     # cuda cases, the captured bf16 step); the CPU-only ones run in CI (on an H100 the whole
     # files took over 150 s, most of it one CPU test). Interrupted (SIGINT), pytest still prints
     # its summary and durations.
-    python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "cuda or captured" \
+    python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "${TESTS_K:-cuda or captured}" \
       tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py \
       tests/test_decode_rope.py tests/test_decode_level0.py tests/test_decode_projections.py \
       2>&1 | tee -i "$out/tests.log" ;;
@@ -97,11 +98,20 @@ case "$part" in
         --resample 1000 --no-loop --genback auto,off --json "$out/$shape-long.json" 2>&1 \
         | tee "$out/$shape-long.log"
     done ;;
+  phases)  # where a 256-row step's host time goes before its launch (step_phases.py; the 8B
+    # 256 x 4,000 cell's GPU is busy 17.5 ms a step, its step 23.7: session 61, H200)
+    PHASES_SHAPES=${PHASES_SHAPES:-"llama-3.1-8b:1000,4000 llama-3.2-1b:4000"}
+    for sp in $PHASES_SHAPES; do
+      shape=${sp%%:*}
+      python3 benchmarks/bench_gpu.py --shape $shape --particles 256 --prompts ${sp#*:} \
+        --no-loop --genback "${MODES:-auto/context,auto}" --phases --json "$out/$shape-phases.json" \
+        2>&1 | tee "$out/$shape-phases.log"
+    done ;;
   cold)  # how much slower a step's host operations run right after a forward (issue 38, part 3:
     # on the CPU 2-4x; here the forward's compute is on the GPU, its Python and dispatcher not)
     for dev in cuda cpu; do
       python3 benchmarks/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
         | tee -a "$out/cold.log"
     done ;;
-  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold)" >&2; exit 2 ;;
+  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases)" >&2; exit 2 ;;
 esac

@@ -204,3 +204,26 @@ def test_session_summary_lists_every_cell_and_the_old_codes_ratio(tmp_path):
         assert 0 < g["host_before_launch_median_s"] < g["host_median_s"]
     assert all(r.strip("| ").split(" | ")[6] == "-" for r in rows[1::2])
     assert gpu_summary.summary(tmp_path / "none").startswith("no bench_gpu.py JSON")
+
+
+def test_phases_time_each_step_part_in_order_and_put_the_code_back():
+    """``--phases`` (``step_phases.py``): on the decode path every named part ran in every
+    step (a part's median start after the runner's, the launch after the layout and the fill,
+    the rows after the launch); on the tree path (``off``) only the runner's parts; afterwards
+    every wrapped function is genback's own again."""
+    from genback.runners.hf import runner as hf_runner
+    from genback.runners.hf.decode import cascade, step as decode_step
+    originals = (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs)
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
+                          "--steps", "6", "--resample", "3", "--no-loop", "--phases",
+                          "--genback", "eager,off"])
+    (cell,) = out["cells"]
+    got = cell["genback"]["host_phases"]
+    assert set(got) == {"answer", "plan", "forward", "layout", "fill", "launch", "rows", "commit"}
+    assert all(v["steps"] == 6 and v["total_s"] > 0 for v in got.values())
+    start = {k: v["start_s"] for k, v in got.items()}
+    assert start["answer"] <= start["plan"] <= start["forward"] <= start["layout"] \
+        <= start["fill"] <= start["launch"] <= start["rows"] <= start["commit"]
+    assert got["answer"]["total_s"] >= got["forward"]["total_s"] >= got["launch"]["total_s"]
+    assert set(cell["genback[off]"]["host_phases"]) == {"answer", "plan", "forward", "commit"}
+    assert (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs) == originals
