@@ -313,7 +313,8 @@ def test_trie_on_device_matches_cpu_trie(gpt2_vocab, device):
 def test_trie_uses_device_rows_without_a_host_copy(gpt2_vocab, device, monkeypatch):
     """A torch row never goes through numpy, and a float64 row on the trie's device is used as
     it is (same storage); only numpy inputs take the host path."""
-    import genback.trie.weights as weights
+    import genback.trie.base as trie_base  # (where the trie calls as_weight_matrix: the name
+    # is imported there, so patching genback.trie.weights would not reach its calls)
 
     trie = ParallelTokenCharacterTrie(gpt2_vocab, device=device)
     W = torch.rand(3, len(gpt2_vocab), dtype=torch.float64, device=device)
@@ -323,7 +324,7 @@ def test_trie_uses_device_rows_without_a_host_copy(gpt2_vocab, device, monkeypat
     def refuse(*a, **k):
         raise AssertionError("a torch row was converted through numpy")
 
-    monkeypatch.setattr(weights, "as_weight_matrix", refuse)
+    monkeypatch.setattr(trie_base, "as_weight_matrix", refuse)
     monkeypatch.setattr(torch.Tensor, "numpy", refuse)
     assert trie._as_device_matrix(W, "W", True).data_ptr() == W.data_ptr()
     got = trie.batch_weight_sum(W)
