@@ -74,14 +74,14 @@ case "$part" in
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "${TESTS_K:-cuda or captured}" \
       tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py \
       tests/test_decode_rope.py tests/test_decode_level0.py tests/test_decode_projections.py \
-      2>&1 | tee -i "$out/tests.log" ;;
+      tests/test_collection_hold.py 2>&1 | tee -i "$out/tests.log" ;;
   norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator, its
     # RoPE through decode/rope.py's) and the RoPE's own
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured or rope" \
       tests/test_decode_step.py tests/test_decode_rope.py tests/test_decode_level0.py 2>&1 \
       | tee -i "$out/norms.log" ;;
-  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-splitproj,auto-gather0,auto/context}" ;;  # (q/k/v and gate/up apart (session 60), level 0 gathered per layer (session 59), against the defaults; -capture1 in the 1B cells; -modelrope, -noflash0 measured in session 59, -flash0, -fused in session 57)
-  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-capture1,auto/context,off}" ;;  # (host-bound: context objects)
+  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-gcnow,auto/context,auto-gcnow/context}" ;;  # (young collections held until the launch (session 61) against wherever they fall; -splitproj, -gather0, -capture1 measured in session 61, -modelrope, -noflash0 in 59, -flash0, -fused in 57)
+  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-gcnow,auto/context,off}" ;;  # (host-bound: context objects)
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;

@@ -44,6 +44,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
+from .cpython import computing_inline, hold_collections
 from .pending import Entry, LoopState, fail_entries, fail_threadsafe, live_entries
 from .query_group import Member, QueryGroup
 from .query_future import QueryFuture
@@ -74,6 +75,12 @@ class Batcher:
         inline_cohort: run a batch that goes because its cohort is in on the event loop's
             thread (False: every batch on the worker thread).
 
+    Attribute ``defer_collections`` (default False; ``AsyncTransformer`` sets it for a CUDA
+    model): while a batch that may run inline is pending, no young garbage collection is
+    triggered, until its first forward is issued or it leaves otherwise
+    (:func:`genback.cpython.hold_collections`: the host's work before a GPU step's launch is
+    serial with the device, a collection after it is not).
+
     Raises:
         ValueError: a non-positive ``max_batch_size`` or a negative, infinite or NaN ``window``.
     """
@@ -94,6 +101,7 @@ class Batcher:
         self._compute = compute
         self._copy = copy
         self.inline_cohort = bool(inline_cohort)
+        self.defer_collections = False
         self.window = self.check_window(window)
         self.max_batch_size = max_batch_size
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -172,6 +180,8 @@ class Batcher:
         if not pending:  # (its window's timer is armed only if no cohort check sends it: _arm)
             state.window_expired = self.window == 0
             state.opened = loop.time()
+            if self.defer_collections and self.inline_cohort and state.gc_hold is None:
+                state.gc_hold = hold_collections()
         entry = pending.setdefault(key, new := Entry(query, sink))  # (one hash of a new key)
         if entry is not new and entry.live():
             entry.waiters.append(sink)
@@ -215,12 +225,18 @@ class Batcher:
         with self._lock:
             states = list(self._states.values())
             taken = []
+            holds = []
             for state in states:
                 entries = list(state.pending.values())
                 state.pending.clear()
                 state.callers = 0
+                holds.append(state.gc_hold)
+                state.gc_hold = None
                 # a timer left running only dispatches an (empty or newer) batch early
                 taken.append((state, [f for e in entries for f in e.waiters]))
+        for hold in holds:
+            if hold is not None:
+                hold.release()
         for state, futures in taken:
             failed += sum(not f.done() for f in futures)
             fail_threadsafe(state.loop, futures, exc)
@@ -285,7 +301,10 @@ class Batcher:
             if not (state.window_expired or len(state.pending) >= self.max_batch_size):
                 return
             batch = self._take_batch(state)
+            hold, state.gc_hold = state.gc_hold, None  # (goes with this batch)
             if not batch:
+                if hold is not None:
+                    hold.release()
                 return
             state.busy = True
             callers = sum([len(e.waiters) for e in batch])
@@ -295,8 +314,10 @@ class Batcher:
         self.queries += len(batch)
         if cohort and self.inline_cohort:
             self.inline_batches += 1
-            self._run_inline(state, batch)
+            self._run_inline(state, batch, hold)
             return
+        if hold is not None:  # (the worker's batch: the loop's thread is free again)
+            hold.release()
         try:
             self._executor.submit(self._work, state, batch)
         except RuntimeError as exc:  # executor shut down
@@ -322,11 +343,21 @@ class Batcher:
         except RuntimeError:  # the loop was closed meanwhile: nobody is left to answer
             pass
 
-    def _run_inline(self, state: LoopState, batch: list[Entry]) -> None:
+    def _run_inline(self, state: LoopState, batch: list[Entry], hold=None) -> None:
         """Compute ``batch`` on the loop's thread and answer its callers (as :meth:`_work` and
         :meth:`_finish` do on the two threads). A ``KeyboardInterrupt`` or ``SystemExit`` fails
-        the batch's callers, then goes on up."""
-        results, exc = self._outcome(batch)
+        the batch's callers, then goes on up. ``hold``: the batch's hold on young collections,
+        released by the runner's first forward (:func:`genback.cpython.forward_issued`) or at
+        the end of the computation."""
+        if hold is None:
+            results, exc = self._outcome(batch)
+        else:
+            computing_inline(hold)
+            try:
+                results, exc = self._outcome(batch)
+            finally:
+                computing_inline(None)
+                hold.release()
         self._finish(state, batch, results, exc)
         if exc is not None and not isinstance(exc, Exception):
             raise exc

@@ -47,6 +47,8 @@ class LoopState:
         self.callers = 0  # callers of the pending batch (a query asked twice counts twice)
         self.sizes = (0, 0)  # callers of the last two batches dispatched (0: none yet)
         self.check_queued = False  # a _check_cohort is queued on the loop
+        # the pending batch's hold on young collections (genback.cpython.CollectionHold)
+        self.gc_hold = None
 
     def cohort_in(self) -> bool:
         """Whether the pending batch has as many callers as the larger of the last two had."""

@@ -227,3 +227,15 @@ def test_phases_time_each_step_part_in_order_and_put_the_code_back():
     assert got["answer"]["total_s"] >= got["forward"]["total_s"] >= got["launch"]["total_s"]
     assert set(cell["genback[off]"]["host_phases"]) == {"answer", "plan", "forward", "commit"}
     assert (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs) == originals
+
+
+def test_gcnow_modes_parse_before_and_without_an_api_suffix():
+    """``-gcnow`` (the scheduler's ``defer_collections`` off), as ``gpu_session.sh``'s cells
+    run it: alone and before ``/context``; every step through the decode step, exact."""
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
+                          "--steps", "4", "--resample", "2", "--no-loop",
+                          "--genback", "eager,eager-gcnow,eager-gcnow/context"])
+    (cell,) = out["cells"]
+    for name in ("genback", "genback[eager-gcnow]", "genback[eager-gcnow/context]"):
+        assert cell[name]["decode_steps"] == 4, name
+        assert cell[name]["err_vs_uncached"] <= 1e-4, name

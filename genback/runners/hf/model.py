@@ -101,6 +101,8 @@ class AsyncTransformer(AsyncLM):
             max_context_length=getattr(hf_model.config, "max_position_embeddings", None),
             eos_token_ids=_config_eos(getattr(hf_model, "generation_config", None)),
         )
+        # on a GPU no young collection runs before a step's launch (genback.cpython, trick 4)
+        self.scheduler.defer_collections = self.device.type == "cuda"
 
     @classmethod
     def from_name(cls, model_id: str = "smollm2-135m", bitsandbytes_opts=None, hf_opts=None,

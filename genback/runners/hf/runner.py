@@ -29,6 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ...cpython import forward_issued
 from ...context import last_ids
 from ...query import Prefill, Query
 from ...runner import Capabilities, check_pin_budget
@@ -327,6 +328,7 @@ class HFRunner:
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
                 out = self._forward(group, uniform)
+                forward_issued()  # (a young collection held since the batch opened runs now)
                 answered.extend(zip([o for p in group for o in p.outputs], out.values))
                 (self._commit_step if uniform else self._commit)(group, out.new_slots, new)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
