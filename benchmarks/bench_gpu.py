@@ -152,16 +152,18 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
     worker = decode.endswith("-worker")  # every batch on the worker thread (no inline step)
     decode = decode.removesuffix("-worker")
-    gc_now = decode.endswith("-gcnow")  # young collections wherever they fall (not held)
-    decode = decode.removesuffix("-gcnow")
+    # young collections wherever they fall (-gcnow) / held until the launch (-gchold): the
+    # scheduler's defer_collections (default: held on CUDA only)
+    held = False if decode.endswith("-gcnow") else (True if decode.endswith("-gchold") else None)
+    decode = decode.removesuffix("-gcnow").removesuffix("-gchold")
     options = []  # the decode step's options the mode's suffixes set (STEP_OPTIONS)
     while (suffix := next((x for x in STEP_OPTIONS if decode.endswith(x)), None)) is not None:
         options.append(STEP_OPTIONS[suffix])
         decode = decode.removesuffix(suffix)
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
-    if gc_now:
-        lm.scheduler.defer_collections = False
+    if held is not None:
+        lm.scheduler.defer_collections = held
     step = lm.runner.decode_step
     if options and step is None:  # (auto: the tree path on a CPU)
         raise ValueError(f"--genback {mode}: {', '.join(STEP_OPTIONS)} set the decode step's "
@@ -450,8 +452,9 @@ def parse(argv):
                          "-capture1 captures "
                          "a bucket at its first use (default: its second, the first eager); "
                          "-gcnow lets young garbage collections run before a step's "
-                         "launch (the scheduler's defer_collections off: on by default on "
-                         "CUDA; before a /suffix: auto-gcnow/context); "
+                         "launch, -gchold holds them until it (the scheduler's "
+                         "defer_collections off / on: on by default on CUDA; before a "
+                         "/suffix: auto-gcnow/context); "
                          "a suffix /batch asks each step "
                          "in one batch_next_token_logprobs call, /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "

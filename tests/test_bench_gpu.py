@@ -230,12 +230,14 @@ def test_phases_time_each_step_part_in_order_and_put_the_code_back():
 
 
 def test_gcnow_modes_parse_before_and_without_an_api_suffix():
-    """``-gcnow`` (the scheduler's ``defer_collections`` off), as ``gpu_session.sh``'s cells
-    run it: alone and before ``/context``; every step through the decode step, exact."""
+    """``-gcnow`` / ``-gchold`` (the scheduler's ``defer_collections`` off / on), as
+    ``gpu_session.sh``'s cells run them: alone and before ``/context``; every step through the
+    decode step, exact."""
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "4", "--resample", "2", "--no-loop",
-                          "--genback", "eager,eager-gcnow,eager-gcnow/context"])
+                          "--genback", "eager,eager-gcnow,eager-gcnow/context,eager-gchold"])
     (cell,) = out["cells"]
-    for name in ("genback", "genback[eager-gcnow]", "genback[eager-gcnow/context]"):
+    for name in ("genback", "genback[eager-gcnow]", "genback[eager-gcnow/context]",
+                 "genback[eager-gchold]"):
         assert cell[name]["decode_steps"] == 4, name
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
