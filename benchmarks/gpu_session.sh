@@ -56,7 +56,7 @@ case "$part" in
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
     # STEPS="part:which:cap ..." runs other parts (a follow-up call), e.g. the norms' check:
     #   STEPS="norms::60 8b:new:120 1b:new:90 cold::40" MODES=auto,auto-modelnorm
-    for step in ${STEPS:-tests::90 8b:new:200 1b:new:150 trie::150 cold::40 8b:old:100 1b:old:80 cascade::150 long::200}; do
+    for step in ${STEPS:-tests::90 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
