@@ -273,6 +273,12 @@ class Batcher:
             state = self._states.get(loop)
             if state is None:
                 state = self._states[loop] = LoopState(loop)
+                # a loop that closed with a batch pending (its callers cancelled at shutdown)
+                # never dispatches it: its hold on young collections ends here
+                for old in self._states.values():
+                    if old.gc_hold is not None and old.loop.is_closed():
+                        old.gc_hold.release()
+                        old.gc_hold = None
             self._last = (loop, state)
             return state
 

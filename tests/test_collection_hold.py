@@ -37,12 +37,16 @@ def _smc_steps(lm, events, particles=256, steps=6, seed=0):
     its forwards marked in ``events``; returns every step's rows and each step's events."""
     rng = random.Random(seed)
     prompt = [rng.randrange(50000) for _ in range(200)]
-    forward = lm.runner._forward
+    forward, commit = lm.runner._forward, lm.runner._commit_step
 
     def marked(*args, **kwargs):
         events.append("forward")
         return forward(*args, **kwargs)
-    lm.runner._forward = marked
+
+    def committed(*args, **kwargs):
+        events.append("commit")
+        return commit(*args, **kwargs)
+    lm.runner._forward, lm.runner._commit_step = marked, committed
     per_step, rows = [], []
 
     async def run():
@@ -81,10 +85,11 @@ def test_a_step_runs_no_young_collection_before_its_forward(tiny_hf, gpt2_tok, c
         assert gc.get_threshold() == before
     (rows_off, steps_off), (rows_on, steps_on) = got[False], got[True]
     # without the hold, collections run in the way in (256 queries allocate more than the
-    # threshold); with it, none before the forward, and the one that was due right after
+    # threshold); with it, none before the forward, and the one that was due right after it,
+    # before the step's KV is committed (the runner released the hold: forward_issued)
     assert sum(_before_forward(s) for s in steps_off) >= 3
     assert [_before_forward(s) for s in steps_on] == [0] * len(steps_on)
-    assert all(s.count("gc") >= 1 for s in steps_on[1:])
+    assert all("gc" in s[s.index("forward"):s.index("commit")] for s in steps_on[1:])
     for a, b in zip(rows_off, rows_on):
         assert torch.equal(a, b)
 
@@ -179,3 +184,25 @@ def test_on_cuda_by_default_no_young_collection_before_a_captured_step(tiny_hf, 
     finally:
         lm.close()
     assert gc.get_threshold() == before
+
+
+def test_a_batch_left_pending_when_its_loop_closed_stops_holding_at_the_next_loop():
+    """``asyncio.run`` returns while a query is pending (its task cancelled at shutdown, the
+    batch never dispatched): the hold lasts only until the batcher serves the next loop."""
+    before = gc.get_threshold()
+    b = _batcher(lambda queries: list(queries))
+
+    async def leave_pending():
+        asyncio.ensure_future(b.submit(1, 1))
+        await asyncio.sleep(0)  # (its query joins the batch; the window never ends)
+
+    async def ask():
+        return await b.submit(2, 2)
+    try:
+        asyncio.run(leave_pending())
+        assert gc.get_threshold()[0] == cpython.HELD_THRESHOLD  # (raised, never off)
+        assert asyncio.run(ask()) == 2
+        assert gc.get_threshold() == before
+    finally:
+        b.close()
+        gc.set_threshold(*before)
