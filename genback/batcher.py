@@ -44,8 +44,9 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
-from .cpython import computing_inline, hold_collections
-from .pending import Entry, LoopState, fail_entries, fail_threadsafe, live_entries
+from .cpython import held_inline, hold_collections, release
+from .pending import (Entry, LoopState, fail_entries, fail_threadsafe, live_entries,
+                      release_closed_holds)
 from .query_group import Member, QueryGroup
 from .query_future import QueryFuture
 
@@ -61,7 +62,9 @@ class BatcherClosed(BatchAbandoned):
 
 class Batcher:
     """Batch concurrent queries and compute them on a worker thread (a batch whose cohort is in:
-    on the event loop's thread, when ``inline_cohort``).
+    on the event loop's thread, when ``inline_cohort``; and with ``defer_collections``, which
+    ``AsyncTransformer`` sets for a CUDA model, no young garbage collection while such a batch is
+    pending: :mod:`genback.cpython`, trick 4).
 
     Args:
         compute: ``compute(queries) -> results``, called on the worker thread with a list of the
@@ -74,12 +77,6 @@ class Batcher:
             first caller the result itself. None: every caller gets the same object.
         inline_cohort: run a batch that goes because its cohort is in on the event loop's
             thread (False: every batch on the worker thread).
-
-    Attribute ``defer_collections`` (default False; ``AsyncTransformer`` sets it for a CUDA
-    model): while a batch that may run inline is pending, no young garbage collection is
-    triggered, until its first forward is issued or it leaves otherwise
-    (:func:`genback.cpython.hold_collections`: the host's work before a GPU step's launch is
-    serial with the device, a collection after it is not).
 
     Raises:
         ValueError: a non-positive ``max_batch_size`` or a negative, infinite or NaN ``window``.
@@ -178,8 +175,7 @@ class Batcher:
         state.callers += 1
         pending = state.pending
         if not pending:  # (its window's timer is armed only if no cohort check sends it: _arm)
-            state.window_expired = self.window == 0
-            state.opened = loop.time()
+            state.window_expired, state.opened = self.window == 0, loop.time()
             if self.defer_collections and self.inline_cohort and state.gc_hold is None:
                 state.gc_hold = hold_collections()
         entry = pending.setdefault(key, new := Entry(query, sink))  # (one hash of a new key)
@@ -200,12 +196,10 @@ class Batcher:
         return ready, check
 
     def _arm(self, state: LoopState) -> None:
-        """Start the pending batch's window timer (it ends ``window`` after the batch's first
-        query, ``LoopState.opened``) unless it runs or the window is over. Armed when no
-        cohort check is queued, or when one found the cohort not in: a batch that goes because
-        its cohort is in (a lockstep step) never makes a timer (``call_at`` and ``cancel``:
-        ~1.5 % of a 16-particle step's host time, ``bench_host.py``). Under the lock, on the
-        loop's thread."""
+        """Start the pending batch's window timer (ending ``window`` after ``LoopState.opened``)
+        unless it runs or the window is over; armed when no cohort check is queued or one found
+        the cohort not in, so a lockstep step never makes one (``call_at`` and ``cancel``: ~1.5
+        % of a 16-particle step's host time, ``bench_host.py``). Under the lock, loop thread."""
         if state.timer is None and not state.window_expired and state.pending:
             state.timer = state.loop.call_at(state.opened + self.window, self._on_window, state)
 
@@ -225,18 +219,13 @@ class Batcher:
         with self._lock:
             states = list(self._states.values())
             taken = []
-            holds = []
             for state in states:
                 entries = list(state.pending.values())
                 state.pending.clear()
                 state.callers = 0
-                holds.append(state.gc_hold)
-                state.gc_hold = None
+                release(state.take_hold())
                 # a timer left running only dispatches an (empty or newer) batch early
                 taken.append((state, [f for e in entries for f in e.waiters]))
-        for hold in holds:
-            if hold is not None:
-                hold.release()
         for state, futures in taken:
             failed += sum(not f.done() for f in futures)
             fail_threadsafe(state.loop, futures, exc)
@@ -273,12 +262,7 @@ class Batcher:
             state = self._states.get(loop)
             if state is None:
                 state = self._states[loop] = LoopState(loop)
-                # a loop that closed with a batch pending (its callers cancelled at shutdown)
-                # never dispatches it: its hold on young collections ends here
-                for old in self._states.values():
-                    if old.gc_hold is not None and old.loop.is_closed():
-                        old.gc_hold.release()
-                        old.gc_hold = None
+                release_closed_holds(self._states.values())
             self._last = (loop, state)
             return state
 
@@ -309,9 +293,7 @@ class Batcher:
             batch = self._take_batch(state)
             hold, state.gc_hold = state.gc_hold, None  # (goes with this batch)
             if not batch:
-                if hold is not None:
-                    hold.release()
-                return
+                return release(hold)
             state.busy = True
             callers = sum([len(e.waiters) for e in batch])
             state.callers = max(0, state.callers - callers) if state.pending else 0
@@ -322,8 +304,7 @@ class Batcher:
             self.inline_batches += 1
             self._run_inline(state, batch, hold)
             return
-        if hold is not None:  # (the worker's batch: the loop's thread is free again)
-            hold.release()
+        release(hold)  # (the worker's batch: the loop's thread is free again)
         try:
             self._executor.submit(self._work, state, batch)
         except RuntimeError as exc:  # executor shut down
@@ -350,20 +331,14 @@ class Batcher:
             pass
 
     def _run_inline(self, state: LoopState, batch: list[Entry], hold=None) -> None:
-        """Compute ``batch`` on the loop's thread and answer its callers (as :meth:`_work` and
-        :meth:`_finish` do on the two threads). A ``KeyboardInterrupt`` or ``SystemExit`` fails
-        the batch's callers, then goes on up. ``hold``: the batch's hold on young collections,
-        released by the runner's first forward (:func:`genback.cpython.forward_issued`) or at
-        the end of the computation."""
+        """Compute ``batch`` (``hold``: its hold on young collections) on the loop's thread and
+        answer its callers (as :meth:`_work` and :meth:`_finish` do on the two threads). A
+        ``KeyboardInterrupt`` or ``SystemExit`` fails the batch's callers, then goes on up."""
         if hold is None:
             results, exc = self._outcome(batch)
         else:
-            computing_inline(hold)
-            try:
+            with held_inline(hold):
                 results, exc = self._outcome(batch)
-            finally:
-                computing_inline(None)
-                hold.release()
         self._finish(state, batch, results, exc)
         if exc is not None and not isinstance(exc, Exception):
             raise exc

@@ -54,6 +54,7 @@ and all four are turned off together by the environment variable ``GENBACK_CPYTH
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import gc
 import os
@@ -189,7 +190,13 @@ HELD_THRESHOLD = 100_000
 
 _held = 0  # holds not yet released (every batcher, every thread)
 _saved: tuple | None = None  # the thresholds before the first hold, while raised by us
-_local = threading.local()  # .hold: the hold of the batch this thread computes inline
+
+
+class _Inline(threading.local):
+    hold: CollectionHold | None = None  # the hold of the batch this thread computes inline
+
+
+inline = _Inline()  # (read by a runner after each forward: an attribute, not a call)
 
 
 class CollectionHold:
@@ -230,12 +237,25 @@ def hold_collections() -> CollectionHold | None:
 def forward_issued() -> None:
     """A runner's first forward of a batch is issued: release the hold of the batch this thread
     computes inline, if any (the collection that was due runs after the launch)."""
-    hold = getattr(_local, "hold", None)
+    hold = inline.hold
     if hold is not None:
-        _local.hold = None
+        inline.hold = None
         hold.release()
 
 
-def computing_inline(hold: CollectionHold | None) -> None:
-    """Note (or, with None, forget) the hold of the batch this thread now computes inline."""
-    _local.hold = hold
+def release(hold: CollectionHold | None) -> None:
+    """Release ``hold`` (None: nothing)."""
+    if hold is not None:
+        hold.release()
+
+
+@contextlib.contextmanager
+def held_inline(hold: CollectionHold):
+    """While this thread computes the batch of ``hold`` inline: :func:`forward_issued` releases
+    it; released at the end in any case."""
+    inline.hold = hold
+    try:
+        yield
+    finally:
+        inline.hold = None
+        hold.release()

@@ -9,6 +9,7 @@ import asyncio
 import operator
 from typing import Hashable
 
+from .cpython import release
 
 _done = operator.methodcaller("done")  # (a future's or a group member's done(), C-level map)
 
@@ -50,6 +51,11 @@ class LoopState:
         # the pending batch's hold on young collections (genback.cpython.CollectionHold)
         self.gc_hold = None
 
+    def take_hold(self):
+        """The pending batch's hold on young collections, handed over (None: none)."""
+        hold, self.gc_hold = self.gc_hold, None
+        return hold
+
     def cohort_in(self) -> bool:
         """Whether the pending batch has as many callers as the larger of the last two had."""
         target = max(self.sizes)
@@ -81,3 +87,11 @@ def fail_threadsafe(loop: asyncio.AbstractEventLoop, futures: list, exc: BaseExc
         fail()
     elif not loop.is_closed():
         loop.call_soon_threadsafe(fail)
+
+
+def release_closed_holds(states) -> None:
+    """Release the holds on young collections of pending batches whose loop closed with them
+    (their callers cancelled at its shutdown: never dispatched)."""
+    for state in states:
+        if state.loop.is_closed():
+            release(state.take_hold())

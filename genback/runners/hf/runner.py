@@ -10,12 +10,12 @@ A batch takes three steps, and the runner knows nothing of a forward's insides:
 2. **execute**: each level's paths are held, grouped into forwards that fit
    (:func:`.plan.batch.group_paths`) and run by one forward of the one contract
    (:class:`.forward.base.ForwardOut`): the decode step (:mod:`.decode.step`) when the group is
-   a uniform step it can run, else the tree forward (or the dense one for models without the
-   attention interface).
+   a uniform step it can run, else the tree forward (the dense one for models without the
+   attention interface); after the first, young garbage collections may run
+   (:func:`genback.cpython.forward_issued`: on a GPU, while it computes).
 3. **commit**: each forward's new KV slots go into the tree (:mod:`.cache.kvtree`: a leaf that
-   ends where the path's cached prefix does grows in place), the contexts' ends are noted for
-   the next step, and after the batch the new nodes are compacted and the tree evicted to its
-   budget.
+   ends where the path's cached prefix does grows in place), the contexts' ends are noted, and
+   after the batch the new nodes are compacted and the tree evicted to its budget.
 
 LoRA adapters (:mod:`.lora`): a query's ``adapter`` selects its tree root and the adapter the
 model runs with; a batch is computed one adapter at a time (one or more forwards each).
@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...cpython import forward_issued
+from ...cpython import forward_issued, inline as inline_hold
 from ...context import last_ids
 from ...query import Prefill, Query
 from ...runner import Capabilities, check_pin_budget
@@ -93,10 +93,8 @@ class HFRunner:
             self.device, kv_budget_bytes, max_batch_tokens, max_forward_bytes,
             min_shared_tokens, attention, decode)
         self.lora = LoraAdapters(model)
-        self.pad_id = pad_id
-        self.max_batch_tokens = max_batch_tokens
-        self.max_forward_bytes = max_forward_bytes
-        self.min_shared_tokens = min_shared_tokens
+        self.pad_id, self.max_batch_tokens = pad_id, max_batch_tokens
+        self.max_forward_bytes, self.min_shared_tokens = max_forward_bytes, min_shared_tokens
         self.pool = KVPool(self._probe_kv_shape())  # every cached token's KV, in slots
         self.tree = KVTree(kv_budget_bytes, self.pool)
         self.kv_token_bytes = self.pool.token_bytes
@@ -314,8 +312,7 @@ class HFRunner:
         ``(output, result)`` pairs. ``uniform``: the level is a uniform decode step
         (:func:`.plan.batch.plan_step`'s), not checked again."""
         answered: list[tuple[Output, object]] = []
-        held, new = [], []
-        tree = self.tree
+        held, new, tree = [], [], self.tree
         try:
             for p in () if uniform else level:
                 if p.holder is None:  # (planned paths were matched, and touched, by the plan)
@@ -328,7 +325,8 @@ class HFRunner:
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
                                      self.budget.score_bytes):
                 out = self._forward(group, uniform)
-                forward_issued()  # (a young collection held since the batch opened runs now)
+                if inline_hold.hold is not None:  # (no call per forward otherwise)
+                    forward_issued()
                 answered.extend(zip([o for p in group for o in p.outputs], out.values))
                 (self._commit_step if uniform else self._commit)(group, out.new_slots, new)
             answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
