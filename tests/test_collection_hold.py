@@ -167,7 +167,7 @@ def test_every_way_a_batch_leaves_puts_the_threshold_back():
         gc.set_threshold(*before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
 @pytest.mark.skipif(not cpython.ENABLED, reason="GENBACK_CPYTHON_SPEEDUPS=0 turns it off")
 def test_on_cuda_by_default_no_young_collection_before_a_captured_step(tiny_hf, gpt2_tok,
                                                                        collections):
