@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genback.llm import AsyncTransformer
+from genback.runners.hf.cache import kv_pool
 from genback.runners.hf.decode import projections, rope
 from genback.runners.hf.decode.projections import FusedProjections, joined
 
@@ -196,17 +197,23 @@ def test_an_smc_run_with_fused_projections_answers_as_without(gpt2_tok, request,
     SmolLM2-135M: with fused projections every layer's groups run as one product at every step
     (counted), every row is within float32 rounding of the run without them and within 1e-4 of
     an uncached forward; with ``rope_op`` as well (CUDA's defaults) every layer's query and key
-    are rotated together (counted) and every row equals the fused run's bit for bit."""
+    are rotated together (counted), in place, so that each layer's new keys and values are
+    written to the pool in one copy (counted), and every row equals the fused run's bit for
+    bit."""
     model, tok = ((_llama(len(gpt2_tok), "cpu", torch.float32), gpt2_tok)
                   if model_name == "llama" else request.getfixturevalue("smol_hf"))
     layers = model.config.num_hidden_layers
     trace = _smc_trace(random.Random(4), 40, 8, 6, 2, 400)
-    calls, joint = [], []
+    calls, joint, joint_writes = [], [], []
     real, real_joint = projections._Group.forwards, rope.joint_heads
+    real_kv = kv_pool.consecutive_heads
     monkeypatch.setattr(projections._Group, "forwards",
                         lambda self: calls.append(1) or real(self))
     monkeypatch.setattr(rope, "joint_heads",
                         lambda *a: (lambda qk: joint.append(qk is not None) or qk)(real_joint(*a)))
+    monkeypatch.setattr(kv_pool, "consecutive_heads",
+                        lambda *a: (lambda kv: joint_writes.append(kv is not None) or kv)(
+                            real_kv(*a)))
     rows = {}
     for fuse, rope_op in ((False, False), (True, False), (True, True)):
         lm = AsyncTransformer(model, tok, batch_window=0.05, row_cache_size=0, decode="eager")
@@ -218,6 +225,8 @@ def test_an_smc_run_with_fused_projections_answers_as_without(gpt2_tok, request,
             assert lm.cache_info()["decode_steps"] == len(trace)
             assert len(calls) == (2 * layers * len(trace) if fuse else 0)
             assert joint == ([True] * layers * len(trace) if rope_op else [])
+            # (rotated in place: each step's keys and values written in one copy a layer)
+            assert sum(joint_writes) == (layers * len(trace) if rope_op else 0)
             for j in (0, len(trace[-1]) - 1):
                 ref = lm.next_token_logprobs_uncached(trace[-1][j])
                 assert float((got[-1][j] - ref).abs().max()) <= 1e-4
@@ -225,6 +234,7 @@ def test_an_smc_run_with_fused_projections_answers_as_without(gpt2_tok, request,
             lm.close()
         calls.clear()
         joint.clear()
+        joint_writes.clear()
     for a, b, c in zip(rows[False, False], rows[True, False], rows[True, True]):
         assert float((a - b).abs().max()) <= 1e-5
         assert torch.equal(b, c)

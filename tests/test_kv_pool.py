@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback.runners.hf.cache.kv_pool import INITIAL_SLOTS, KVPool, run_start
+from genback.runners.hf.cache.kv_pool import INITIAL_SLOTS, KVPool, consecutive_heads, run_start
 
 LAYOUT = (2, 1, 3, torch.float32, torch.device("cpu"))
 
@@ -92,6 +92,46 @@ def test_write_and_gather_per_layer():
     assert torch.equal(got[0, 0], key[0].flip(0)) and torch.equal(got[1, 0], -key[0].flip(0))
     with pytest.raises((IndexError, RuntimeError)):  # (PyTorch's error for an index past the end)
         pool.gather(1, torch.tensor([pool.capacity]))
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3])
+def test_keys_and_values_of_one_product_are_written_in_one_copy(heads, monkeypatch):
+    """Keys and values that are consecutive head blocks of one product's columns (``[rows,
+    (Hq + 2 * Hkv) * D]``, viewed ``[Hkv, rows, D]`` each, as the decode step's cache hands
+    them over), or of one ``[2, Hkv, rows, D]`` tensor, are written by one ``index_copy_``
+    (counted) and store what two writes store; keys and values of separate tensors, the values
+    first or of another shape take one copy each, with the same result."""
+    D, Hq, R = 5, 4, 6
+    gen = torch.Generator().manual_seed(heads)
+    layout = (2, heads, D, torch.float32, torch.device("cpu"))
+    product = torch.randn(R, (Hq + 2 * heads) * D, generator=gen)
+    heads_of = lambda block: product[:, block * D:(block + heads) * D].view(R, heads, D)  # noqa
+    key, value = heads_of(Hq).transpose(0, 1), heads_of(Hq + heads).transpose(0, 1)
+    both = consecutive_heads(key, value)
+    assert both is not None and torch.equal(both, torch.cat([key, value]))
+    loose = torch.randn(2, heads, R, D, generator=gen)
+    assert consecutive_heads(value, key) is None  # (the values first)
+    assert consecutive_heads(key, key.clone()) is None  # (another tensor)
+    assert torch.equal(consecutive_heads(loose[0], loose[1]), loose.view(2 * heads, R, D))
+    assert consecutive_heads(key[:, :-1], value[:, :-1]) is not None  # (fewer rows: a view)
+    assert consecutive_heads(key, value[:, :, :-1]) is None  # (another shape)
+    copies = []
+    real = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_",
+                        lambda self, *a: copies.append(1) or real(self, *a))
+    for k, v, n in ((key, value, 1), (key.contiguous(), value.contiguous(), 2),
+                    (value, key, 2), (loose[0], loose[1], 1),
+                    (loose[0], loose[1].clone(), 2)):
+        one, two = KVPool(layout, capacity=16), KVPool(layout, capacity=16)
+        slots = torch.from_numpy(one.alloc(R)[::-1].copy())
+        two.alloc(R)
+        copies.clear()
+        one.write(1, slots, k, v)
+        assert len(copies) == n
+        two.store[1, 0].index_copy_(1, slots, k.contiguous())
+        two.store[1, 1].index_copy_(1, slots, v.contiguous())
+        assert torch.equal(one.store[1][:, :, slots], two.store[1][:, :, slots])
+        assert torch.equal(one.store[1][:, :, slots], torch.stack([k, v]))
 
 
 @settings(max_examples=30, deadline=None)

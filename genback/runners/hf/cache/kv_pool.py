@@ -34,6 +34,20 @@ import torch
 INITIAL_SLOTS = 4096
 
 
+def consecutive_heads(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """``[2 * kv_heads, n, head_dim]``, a view: ``key`` and ``value`` (``[kv_heads, n,
+    head_dim]`` each) as one tensor of their heads, keys first, when the values' heads continue
+    the keys' in memory with the same strides (the key and value blocks of one product's
+    columns); None otherwise."""
+    H = key.shape[0]
+    if (value.data_ptr() - key.data_ptr() != H * key.stride(0) * key.element_size()
+            or key.stride() != value.stride() or key.shape != value.shape
+            or key.dtype != value.dtype or key.device != value.device
+            or key.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()):
+        return None  # (the cheap test first: the tree forward's keys and values fail it)
+    return key.as_strided((2 * H, *key.shape[1:]), key.stride(), key.storage_offset())
+
+
 class KVPool:
     """Token slots of KV on the model's device.
 
@@ -143,7 +157,14 @@ class KVPool:
               value: torch.Tensor) -> None:
         """Store a layer's new keys and values.
 
-        slots: long ``[n]`` on the device; key / value: ``[kv_heads, n, head_dim]``."""
+        slots: long ``[n]`` on the device; key / value: ``[kv_heads, n, head_dim]``. One
+        ``index_copy_`` (one kernel) where the values' heads follow the keys' in one tensor
+        (:func:`consecutive_heads`: the decode step's fused projections with its RoPE op rotating
+        in place, ``decode/rope.py``), else one each."""
+        both = consecutive_heads(key, value)
+        if both is not None:
+            self.store[layer].view(2 * self.heads, -1, self.dim).index_copy_(1, slots, both)
+            return
         self.store[layer, 0].index_copy_(1, slots, key)
         self.store[layer, 1].index_copy_(1, slots, value)
 

@@ -18,7 +18,11 @@ the sum are transformers' own, in its order), so the rows are the model's own: 2
 per layer (62 fewer per step on the 8B shape, 30 on the 1B). Where the query and the key are
 blocks of one product (the decode step's fused projections, :mod:`.projections`: the key's heads
 follow the query's in memory, :func:`joint_heads`), both are rotated together by the same 4
-kernels, 4 more fewer per layer; the results are then views of one tensor.
+kernels, 4 more fewer per layer; the results are then views of one tensor. In genback's own
+forward (inside a :class:`RopeOp`'s ``with``, autograd off) the last kernel writes them in place,
+into the product's query and key columns (the unrotated values are read by nothing after), so
+that the key's heads stay followed by the value's and the cache writes both to the KV pool in one
+kernel (:meth:`~..cache.kv_pool.KVPool.write`): one fewer per layer again.
 
 :class:`RopeOp` swaps it in for the modeling modules of the model's attention layers whose
 ``apply_rotary_pos_emb`` is transformers' half-split form (checked by its code, and its
@@ -71,7 +75,12 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     shift = q.shape[-1] - q.shape[-1] // 2  # (rotate_half's second half comes first)
     qk = joint_heads(q, k, unsqueeze_dim)
     if qk is not None:  # (one product's columns: both rotated by the same 4 kernels)
-        embed = (qk * cos) + (qk.roll(shift, -1) * sin)
+        if getattr(_local, "last", None) is not None and not torch.is_grad_enabled():
+            # genback's own forward: rotated in place, so that the product's key and value
+            # blocks stay consecutive for the cache's one write (KVPool.write)
+            embed = torch.add(qk * cos, qk.roll(shift, -1) * sin, out=qk)
+        else:
+            embed = (qk * cos) + (qk.roll(shift, -1) * sin)
         heads = q.shape[unsqueeze_dim]
         return (embed.narrow(unsqueeze_dim, 0, heads),
                 embed.narrow(unsqueeze_dim, heads, k.shape[unsqueeze_dim]))
