@@ -83,6 +83,49 @@ def test_rope_of_one_products_query_and_key_is_transformers_bit_for_bit(device, 
             assert torch.equal(a, b), dim
 
 
+def test_rope_of_one_products_query_and_key_rotates_in_place_only_in_genbacks_forward(gpt2_tok):
+    """Inside a RopeOp's ``with`` with autograd off (genback's decode-step forward) the query
+    and key of one product are rotated into the product's own columns (the results are views of
+    it; the value's columns untouched), bit for bit Llama's values; outside the ``with``
+    (another thread's forward while the function is swapped) or with autograd on, new tensors,
+    the product left as it was."""
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hk, D = 3, 4, 2, 16
+    cos, sin = (torch.randn(B, 1, D, generator=g) for _ in range(2))
+    model = _llama(len(gpt2_tok), "cpu", torch.float32)
+
+    def heads(y):
+        q, k, v = (y[..., a * D:b * D].view(B, 1, b - a, D).transpose(1, 2)
+                   for a, b in ((0, Hq), (Hq, Hq + Hk), (Hq + Hk, Hq + 2 * Hk)))
+        return q, k, v
+
+    for inside, grad in ((True, False), (False, False), (True, True)):
+        y = torch.randn(B, 1, (Hq + 2 * Hk) * D, generator=g, requires_grad=grad)
+        before = y.detach().clone()
+        q, k, v = heads(y)
+        want = LLAMAS(q, k, cos, sin)
+        with torch.set_grad_enabled(grad):
+            if inside:
+                with RopeOp(model):
+                    got = apply_rotary_pos_emb(q, k, cos, sin)
+            else:
+                got = apply_rotary_pos_emb(q, k, cos, sin)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        in_place = inside and not grad
+        assert (got[1].data_ptr() == k.data_ptr()) == in_place
+        assert torch.equal(y.detach()[..., (Hq + Hk) * D:], before[..., (Hq + Hk) * D:])
+        if in_place:
+            q0, k0, _ = heads(before)
+            assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+            assert not torch.equal(q0, want[0])
+        else:
+            assert torch.equal(y.detach(), before)
+        if grad:  # (autograd still works through the rotation)
+            sum(t.sum() for t in got).backward()
+            assert y.grad is not None
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
