@@ -20,9 +20,10 @@ blocks of one product (the decode step's fused projections, :mod:`.projections`:
 follow the query's in memory, :func:`joint_heads`), both are rotated together by the same 4
 kernels, 4 more fewer per layer; the results are then views of one tensor. In genback's own
 forward (inside a :class:`RopeOp`'s ``with``, autograd off) the last kernel writes them in place,
-into the product's query and key columns (the unrotated values are read by nothing after), so
-that the key's heads stay followed by the value's and the cache writes both to the KV pool in one
-kernel (:meth:`~..cache.kv_pool.KVPool.write`): one fewer per layer again.
+into the product's query and key columns (the unrotated values are read by nothing after:
+transformers' attention layers call their three projections before the rotation), so that the
+key's heads stay followed by the value's and the cache writes both to the KV pool in one kernel
+(:meth:`~..cache.kv_pool.KVPool.write`): one fewer per layer again.
 
 :class:`RopeOp` swaps it in for the modeling modules of the model's attention layers whose
 ``apply_rotary_pos_emb`` is transformers' half-split form (checked by its code, and its
