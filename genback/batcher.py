@@ -291,7 +291,7 @@ class Batcher:
             if not (state.window_expired or len(state.pending) >= self.max_batch_size):
                 return
             batch = self._take_batch(state)
-            hold, state.gc_hold = state.gc_hold, None  # (goes with this batch)
+            hold, state.gc_hold = state.gc_hold, None  # (take_hold inline: a call less a step)
             if not batch:
                 return release(hold)
             state.busy = True
