@@ -68,10 +68,11 @@ def test_a_context_reads_as_its_flat_tuple(base, extra, i, a, b, step):
 
 def test_an_extension_shares_its_base_until_the_tail_is_full():
     root = Context(tuple(range(100)))
-    ctx, bases = root, set()
+    ctx, bases = root, []
     for t in range(3 * TAIL_MAX + 5):
         ctx = ctx.extend(t)
-        bases.add(id(ctx.base))
+        if not any(ctx.base is b for b in bases):
+            bases.append(ctx.base)  # (kept alive: a freed base's id() can be reused)
         assert len(ctx.tail) <= TAIL_MAX
     # one new flat base per TAIL_MAX + 1 extensions: the copies are amortised
     assert len(bases) == 1 + (3 * TAIL_MAX + 5) // (TAIL_MAX + 1)
