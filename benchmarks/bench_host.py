@@ -139,7 +139,7 @@ async def asyncio_floor(n: int, steps: int) -> float:
     futures, all resolved together by a callback once the last one is in (as the batcher
     resolves a batch): the futures, ``gather``'s callbacks and wake-ups that any awaitable API
     costs this client at least (``next_token_logprobs`` hands out its future itself,
-    :mod:`genback.query_future`; a coroutine per query, each wrapped in a task by ``gather``,
+    :mod:`genback.batching.futures`; a coroutine per query, each wrapped in a task by ``gather``,
     costs ~4 µs more a query on this project's CPU)."""
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future] = []

@@ -66,7 +66,7 @@ case "$part" in
       tail -n 40 "$raw/$p-${which:-all}.out"
       tar -czf "$out/gpu.tgz" -C "$raw" .
     done
-    python3 benchmarks/gpu_summary.py "$raw" | tee "$out/summary.md" ;;  # (the reply's tail)
+    python3 benchmarks/lab/gpu_summary.py "$raw" | tee "$out/summary.md" ;;  # (the reply's tail)
   tests)  # the tests that run on CUDA (test_cuda.py, the tree attention's and decode step's
     # cuda cases, the captured bf16 step); the CPU-only ones run in CI (on an H100 the whole
     # files took over 150 s, most of it one CPU test). Interrupted (SIGINT), pytest still prints
@@ -110,7 +110,7 @@ case "$part" in
   cold)  # how much slower a step's host operations run right after a forward (issue 38, part 3:
     # on the CPU 2-4x; here the forward's compute is on the GPU, its Python and dispatcher not)
     for dev in cuda cpu; do
-      python3 benchmarks/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
+      python3 benchmarks/lab/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
         | tee -a "$out/cold.log"
     done ;;
   *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases)" >&2; exit 2 ;;

@@ -120,7 +120,7 @@ class StepClock:
         us = 1e6 / q
         host = t["wall"] - t["fwd_wall"]
         # forwards run on the worker thread, or on the caller's (a batch run inline: see
-        # genback.batcher): each thread's CPU outside them
+        # genback.batching.batcher): each thread's CPU outside them
         caller = t["caller"] - t["fwd_caller"]
         worker = t["worker"] - (t["fwd_cpu"] - t["fwd_caller"])
         other = t["process"] - t["caller"] - t["worker"]

@@ -39,8 +39,8 @@ def _points(lm) -> list[tuple[str, object, str]]:
            ("plan", importlib.import_module(type(runner).__module__), "plan_step"),
            ("forward", runner, "_forward"), ("commit", runner, "_commit_step")]
     if step is not None:
-        cascade = importlib.import_module("genback.runners.hf.decode.cascade")
-        level0 = importlib.import_module("genback.runners.hf.decode.level0")
+        cascade = importlib.import_module("genback.llm.hf.decode.cascade")
+        level0 = importlib.import_module("genback.llm.hf.decode.level0")
         out += [("layout", step, "layouts"), ("fill", cascade.DecodeBuffers, "fill"),
                 ("level0", level0.KeptPrefix, "refresh"), ("launch", step.graphs, "run"),
                 ("rows", importlib.import_module(type(step).__module__), "outputs")]

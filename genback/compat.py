@@ -11,7 +11,7 @@ objects instead:
 
 * ``genlm.backend``: a facade module over genback (below);
 * ``genlm.backend.llm``: ``genback.llm``; its ``.base``: ``genback.core.lm`` (``AsyncLM``); its
-  ``.hf``, ``.vllm``, ``.mlx``: each backend's facade module, ``genback.runners.<name>.model``;
+  ``.hf``, ``.vllm``, ``.mlx``: each backend's facade module, ``genback.llm.<name>.model``;
 * ``genlm.backend.tokenization`` (``.token``, ``.vocab``): ``genback.tokenization`` (same);
   ``.bytes`` (``get_byte_vocab``, ``ByteVocabError``, ``ByteDecoderError``):
   ``genback.tokenization.vocab``;
@@ -44,9 +44,9 @@ __all__ = ["alias_genlm_backend", "remove_genlm_backend_alias", "is_aliased", "A
 ALIASED_MODULES: dict[str, str] = {
     "genlm.backend.llm": "genback.llm",
     "genlm.backend.llm.base": "genback.core.lm",
-    "genlm.backend.llm.hf": "genback.runners.hf.model",
-    "genlm.backend.llm.vllm": "genback.runners.vllm.model",
-    "genlm.backend.llm.mlx": "genback.runners.mlx.model",
+    "genlm.backend.llm.hf": "genback.llm.hf.model",
+    "genlm.backend.llm.vllm": "genback.llm.vllm.model",
+    "genlm.backend.llm.mlx": "genback.llm.mlx.model",
     "genlm.backend.tokenization": "genback.tokenization",
     "genlm.backend.tokenization.token": "genback.tokenization.token",
     "genlm.backend.tokenization.vocab": "genback.tokenization.vocab",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from genback import llm
-from genback.backends import BACKEND_NAMES, BACKENDS, backend_class, check_backend
+from genback.llm.backends import BACKEND_NAMES, BACKENDS, backend_class, check_backend
 from genback.cli import build_parser
 from genback.engine import GenbackEngine
 

@@ -156,11 +156,11 @@ def test_step_timeline_times_every_phase_and_unwraps():
     and parts are its own again afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from genback.batcher import Batcher
+    from genback.batching.batcher import Batcher
     from genback.core import front
     from genback.core.front import Front
     from genback.core.output_cache import OutputCache
-    from genback.runners.hf import runner
+    from genback.llm.hf import runner
 
     def parts():
         return (runner.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
@@ -168,7 +168,7 @@ def test_step_timeline_times_every_phase_and_unwraps():
                 front.owned_copies)
 
     spec = importlib.util.spec_from_file_location("bench_step_timeline",
-                                                  BENCH.parent / "bench_step_timeline.py")
+                                                  BENCH.parent / "lab" / "bench_step_timeline.py")
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
     before = (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
@@ -189,7 +189,7 @@ def test_cold_ops_times_every_operation_under_every_condition():
     """``bench_cold_ops.py`` runs in-process: one cell per condition, in order, a positive
     finite time for every operation and their sum."""
     spec = importlib.util.spec_from_file_location("bench_cold_ops",
-                                                  BENCH.parent / "bench_cold_ops.py")
+                                                  BENCH.parent / "lab" / "bench_cold_ops.py")
     cold = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cold)
     cells = cold.main(["--rows", "2", "--tokens", "5", "--repeats", "3", "--sweep-mib", "1"])

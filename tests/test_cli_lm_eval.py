@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from genback.cli_lm_eval import check_pretrained, explain, with_model
+from genback.cli.lm_eval import check_pretrained, explain, with_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from genback import cpython
-from genback.batcher import Batcher, BatcherClosed
+from genback.batching.batcher import Batcher, BatcherClosed
 from genback.llm import AsyncTransformer
 
 

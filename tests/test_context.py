@@ -9,10 +9,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from genback.context import TAIL_MAX, Context, flat
+from genback.queries.context import TAIL_MAX, Context, flat
 from genback.core import inputs
 from genback.core.inputs import ContextChecker
-from genback.query import NextToken, context_hash
+from genback.queries.kinds import NextToken, context_hash
 
 from test_identity import spy_identity
 
@@ -135,7 +135,7 @@ def test_a_decoding_step_chooses_from_a_context_as_from_its_tuple(params):
     penalty reads it as it reads the flat tuple of the same ids."""
     import torch
 
-    from genback.sampling import Pick, SamplingParams, choose
+    from genback.queries.sampling import Pick, SamplingParams, choose
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(50, generator=gen)

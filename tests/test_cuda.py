@@ -116,7 +116,7 @@ def _errors(lm, pairs, ref_lm=None) -> list[float]:
 def _count_unmasked_steps(monkeypatch) -> list:
     """The tree forward's decode steps built without a mask (no row padded), listed as they
     run (their row counts)."""
-    from genback.runners.hf.forward import tree
+    from genback.llm.hf.forward import tree
 
     seen, tree_batch = [], tree._tree_batch
 
@@ -215,7 +215,7 @@ def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_
     CUDA every captured graph verified. ``set``: ``flash_level0 = True``; ``default``: None,
     with the size from which it pays (``FLASH0_MIN_WORK``) lowered to this small step's, so
     that it runs by default on CUDA and not on the CPU."""
-    from genback.runners.hf.decode import cascade, step as decode_step
+    from genback.llm.hf.decode import cascade, step as decode_step
     ref32 = AsyncTransformer(model_on(tiny_hf, device, torch.float32), gpt2_tok)
     lm = AsyncTransformer(model_on(tiny_hf, device, torch.bfloat16), gpt2_tok, batch_window=0.01,
                           decode="auto" if device == "cuda" else "eager")
@@ -226,7 +226,7 @@ def test_decode_step_level0_without_bias_bf16_no_worse_than_dense(tiny_hf, gpt2_
         # (where flash_level0_pays reads it; the step module only re-exports it)
         monkeypatch.setattr(cascade, "FLASH0_MIN_WORK", 8 * 512)  # (8 rows x 512 keys)
         assert decode_step.flash_level0_pays(8, 512) and not decode_step.flash_level0_pays(8, 511)
-    from genback.runners.hf.forward import attention
+    from genback.llm.hf.forward import attention
     kernels, attend = [], attention._attend
     monkeypatch.setattr(attention, "_attend",
                         lambda q, k, v, scale, kernel, bias=None:
@@ -444,8 +444,8 @@ def test_callers_copies_come_in_bounded_blocks(device):
     """The callers' copies of a step's rows (Front._compute_owned) are views of blocks of at
     most OWNED_BLOCK_BYTES on a device, HOST_OWNED_BLOCK_BYTES in host memory: a row a caller
     keeps keeps no more than its block alive."""
-    from genback.rows import DEVICE_COPY_BLOCK_BYTES as OWNED_BLOCK_BYTES
-    from genback.rows import HOST_BLOCK_BYTES as HOST_OWNED_BLOCK_BYTES, owned_copies
+    from genback.queries.rows import DEVICE_COPY_BLOCK_BYTES as OWNED_BLOCK_BYTES
+    from genback.queries.rows import HOST_BLOCK_BYTES as HOST_OWNED_BLOCK_BYTES, owned_copies
 
     limit = HOST_OWNED_BLOCK_BYTES if device == "cpu" else OWNED_BLOCK_BYTES
     rows = list(torch.randn(100, 100_000, device=device).unbind(0))  # 400 KB a row

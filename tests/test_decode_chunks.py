@@ -1,4 +1,4 @@
-"""Decode steps too wide for one forward (genback.runners.hf.decode.step.DecodeStep.layouts):
+"""Decode steps too wide for one forward (genback.llm.hf.decode.step.DecodeStep.layouts):
 run in chunks of rows, eagerly on the CPU, against the tree path and uncached forwards; the
 chunks kept from step to step (layouts counted); the fallback to the tree path."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode.step import MAX_ROWS
+from genback.llm.hf.decode.step import MAX_ROWS
 
 from test_llm_tree import _max_err
 
@@ -71,8 +71,8 @@ def test_a_split_run_keeps_its_chunks_and_tries_the_whole_every_refresh(tiny_hf,
     first step tries the whole, halves, then quarters (6 layouts); the next steps lay out their
     quarters at once (4 layouts, from the last step's chunks: lane steps counted) until
     REFRESH steps have passed, when the whole is tried again; every row stays exact."""
-    from genback.runners.hf.decode import step as decode_step
-    from genback.runners.hf.plan.lanes import REFRESH
+    from genback.llm.hf.decode import step as decode_step
+    from genback.llm.hf.plan.lanes import REFRESH
 
     monkeypatch.setattr(decode_step, "MAX_TABLE_SLOTS", 256)
     calls = []
@@ -111,7 +111,7 @@ def test_a_step_split_at_most_into_quarters_then_takes_the_tree_path(tiny_hf, gp
     four chunks of two rows; 4 rows of 50 then 4 of 300 (the first half fits, 4 x 64; the
     second's quarters do not, 2 x 512) take the tree path, no slot taken for the half that did
     fit is lost, and the rows stay exact."""
-    from genback.runners.hf.decode import step as decode_step
+    from genback.llm.hf.decode import step as decode_step
 
     monkeypatch.setattr(decode_step, "MAX_TABLE_SLOTS", 256)
     rng = random.Random(8)

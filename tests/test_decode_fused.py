@@ -15,9 +15,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode import cascade
-from genback.runners.hf.decode import fused as fused_norms
-from genback.runners.hf.decode.fused import NORMS, FusedNorms, rms_norm, rms_norm_op
+from genback.llm.hf.decode import cascade
+from genback.llm.hf.decode import fused as fused_norms
+from genback.llm.hf.decode.fused import NORMS, FusedNorms, rms_norm, rms_norm_op
 
 from test_decode_step import _llama
 from test_llm_tree import _smc_trace

@@ -1,4 +1,4 @@
-"""The decode step's graphs check themselves (genback.runners.hf.decode.graphs): each bucket's
+"""The decode step's graphs check themselves (genback.llm.hf.decode.graphs): each bucket's
 first replay is compared with the eager run of the same step. On the CPU the capture is replaced
 by a stand-in that runs the real warm-up and returns a "graph" whose replay recomputes the step
 and then corrupts its logits and the new tokens' KV (a miscompiled capture). On CUDA the real
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode import graphs as graphs_module
-from genback.runners.hf.decode.graphs import StepGraphs
+from genback.llm.hf.decode import graphs as graphs_module
+from genback.llm.hf.decode.graphs import StepGraphs
 
 from test_decode_step import _steps
 from test_llm_tree import _smc_trace

@@ -1,4 +1,4 @@
-"""The decode step's worked example (genback.runners.hf.decode.step's module docstring), run:
+"""The decode step's worked example (genback.llm.hf.decode.step's module docstring), run:
 three rows after a 4-token prompt, the layout the step builds, and the static buffers it fills."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode import step as decode_step
-from genback.runners.hf.decode.step import bucket
+from genback.llm.hf.decode import step as decode_step
+from genback.llm.hf.decode.step import bucket
 
 
 def test_the_worked_example_of_the_decode_step(tiny_hf, gpt2_tok, monkeypatch):

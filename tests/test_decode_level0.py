@@ -1,4 +1,4 @@
-"""Level 0's KV kept across decode steps (genback.runners.hf.decode.level0): the rows equal the
+"""Level 0's KV kept across decode steps (genback.llm.hf.decode.level0): the rows equal the
 per-layer gather's bit for bit, on the tiny random GPT-2 and the real SmolLM2, with the copies
 counted (one per prefix, not one per step); a kept copy is made again once the pool frees slots
 or its store moves, so slots handed out again with other KV are never read stale; the memory
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.cache.kv_pool import KVPool
-from genback.runners.hf.decode.level0 import KeptPrefix, KeptPrefixes
+from genback.llm.hf.cache.kv_pool import KVPool
+from genback.llm.hf.decode.level0 import KeptPrefix, KeptPrefixes
 
 from test_decode_rope import _Ops
 from test_decode_step import CUDA, _llama, _steps, no_tf32  # noqa: F401 (a fixture)

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.cache import kv_pool
-from genback.runners.hf.decode import projections, rope
-from genback.runners.hf.decode.projections import FusedProjections, joined
+from genback.llm.hf.cache import kv_pool
+from genback.llm.hf.decode import projections, rope
+from genback.llm.hf.decode.projections import FusedProjections, joined
 
 from test_decode_step import CUDA, _llama, no_tf32  # noqa: F401 (a fixture)
 from test_llm_tree import _smc_trace

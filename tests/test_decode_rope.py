@@ -16,8 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama import modeling_llama
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode import rope
-from genback.runners.hf.decode.rope import (RopeOp, apply_rotary_pos_emb, is_half_split_rope,
+from genback.llm.hf.decode import rope
+from genback.llm.hf.decode.rope import (RopeOp, apply_rotary_pos_emb, is_half_split_rope,
                                             joint_heads)
 
 from test_decode_step import CUDA, _llama

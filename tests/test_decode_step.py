@@ -1,4 +1,4 @@
-"""The uniform decode step (genback.runners.hf.decode.step): the static-buffer two-level cascade
+"""The uniform decode step (genback.llm.hf.decode.step): the static-buffer two-level cascade
 run eagerly on the CPU against the tree path and an uncached forward, on the tiny random GPT-2
 and the real SmolLM2; which steps take it (counted), its buckets, and its slot layout."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.decode.step import bucket
+from genback.llm.hf.decode.step import bucket
 
 from test_llm_tree import _max_err, _smc_trace
 
@@ -239,12 +239,12 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix, flash0,
     over the real prefix keys; the padding past the prefix is masked, whatever its values. With
     ``flash0`` the keys before the last 256 are attended without a bias, the last 256 (the
     padding's) with it, as one more chunk. ``kept``: the prefix read from its copy kept across
-    steps (:mod:`genback.runners.hf.decode.level0`), not gathered."""
+    steps (:mod:`genback.llm.hf.decode.level0`), not gathered."""
     from types import SimpleNamespace
 
-    from genback.runners.hf.decode.cascade import _merge_chunks, _prefix_chunks, _splits
+    from genback.llm.hf.decode.cascade import _merge_chunks, _prefix_chunks, _splits
 
-    from genback.runners.hf.cache.kv_pool import KVPool
+    from genback.llm.hf.cache.kv_pool import KVPool
 
     torch.manual_seed(rows)
     Hkv, D, cap = 2, 16, 2048
@@ -260,7 +260,7 @@ def test_split_prefix_attention_equals_one_softmax(rows, groups, prefix, flash0,
     store[:, :, 0] = 1e4  # the dummy slot the padding reads: large, and masked
     b.level0 = None
     if kept:
-        from genback.runners.hf.decode.level0 import KeptPrefix
+        from genback.llm.hf.decode.level0 import KeptPrefix
         b.level0 = KeptPrefix(pool, Pb)
         b.level0.refresh(pool, slots.numpy(), b.prefix)
     q = torch.randn(rows, Hkv, groups, D)
@@ -305,9 +305,9 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
     against a walk of the tree at every step; rows equal an uncached forward. Over this 60-token
     prompt the default lays the prompt out in every row (level 0 does not pay); ``always``
     keeps it in level 0 (lanes then carry the prefix)."""
-    from genback.runners.hf.decode import step as decode_step
-    from genback.runners.hf.plan.lanes import REFRESH
-    from genback.runners.hf.cache.nodes import prefix_segments
+    from genback.llm.hf.decode import step as decode_step
+    from genback.llm.hf.plan.lanes import REFRESH
+    from genback.llm.hf.cache.nodes import prefix_segments
 
     checked, prefixes = [], []
     layout = decode_step.DecodeStep.layout
@@ -376,7 +376,7 @@ def test_level0_runs_unmasked_by_default_where_it_was_measured_to_pay():
     (session 57) on their measured side: 1,024 x 4,096 paid (GPU 19.9 against 22.6 ms a step),
     1,024 x 1,024, 64 x 1,024 and 64 x 4,096 did not. (That the default runs it on CUDA and
     not on the CPU, whatever the size: ``test_cuda.py``'s level-0 test, ``default`` case.)"""
-    from genback.runners.hf.decode.step import FLASH0_MIN_WORK, flash_level0_pays
+    from genback.llm.hf.decode.step import FLASH0_MIN_WORK, flash_level0_pays
 
     assert flash_level0_pays(1024, 4096) and flash_level0_pays(4096, FLASH0_MIN_WORK // 4096)
     assert not any(flash_level0_pays(q, k) for q, k in [(1024, 1024), (64, 1024), (64, 4096)])
@@ -393,7 +393,7 @@ def test_particles_with_equal_contexts_keep_their_steps_uniform(tiny_hf, gpt2_to
     on the tree path, with lists and with context objects; and laid out from the last step's
     rows (the row of the equal context that was answered: ``Lanes.rows``), every step after the
     first (counted); every row exact."""
-    from genback.runners.hf import runner as runner_module
+    from genback.llm.hf import runner as runner_module
 
     full_plans = []
     plan_batch = runner_module.plan_batch
@@ -437,7 +437,7 @@ def test_smollm2_smc_particles_that_coincide_keep_their_steps_uniform(module_smo
     """The real model's rows are peaked, so particles sampling from them often draw the same
     token and hold equal contexts (other objects): after the first step (the prompt's row) no
     step is planned by the full planner (counted), on the default path (the tree path here)."""
-    from genback.runners.hf import runner as runner_module
+    from genback.llm.hf import runner as runner_module
 
     lm = module_smol_lm
     plans, step = [], [0]

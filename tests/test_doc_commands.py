@@ -121,12 +121,12 @@ def _check_parsed(argv: list[str]) -> None:
         pytest.importorskip("lm_eval", reason='lm-eval is in the [eval] extra')
         from lm_eval._cli.harness import HarnessCLI  # lm-eval's own parser
 
-        from genback.cli_lm_eval import with_model
+        from genback.cli.lm_eval import with_model
 
         parsed = HarnessCLI()._parser.parse_args(["run", *with_model(rest[1:])])
         assert parsed.model == "genback" and parsed.tasks
         return
-    from genback.cli_parser import build_parser
+    from genback.cli.parser import build_parser
 
     build_parser().parse_args(rest)
 

@@ -128,9 +128,9 @@ def test_every_docstring_reference_resolves():
     assert not fixed, f"these resolve now: drop them from OWNED_ELSEWHERE: {sorted(fixed)}"
 
 
-@pytest.mark.parametrize("target,ok", [("genback.window.truncate_pair", True),
+@pytest.mark.parametrize("target,ok", [("genback.queries.window.truncate_pair", True),
                                        (".inputs.check_list", True), ("Front.ask", True),
-                                       ("genback.window.nothing_here", False),
+                                       ("genback.queries.window.nothing_here", False),
                                        (".plan.nothing", False)])
 def test_the_resolver_tells_names_from_nothing(target, ok):
     from genback.core import front

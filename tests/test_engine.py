@@ -13,7 +13,7 @@ import torch
 from genback.engine import (GenbackEngine, GenerationRequest, LoglikelihoodRequest,
                             RollingLoglikelihoodRequest, SessionClosed)
 from genback.engine.encoding import encode_pair
-from genback.window import rolling_windows
+from genback.queries.window import rolling_windows
 from genback.llm import AsyncTransformer
 
 

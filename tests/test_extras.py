@@ -21,7 +21,7 @@ CASES = [
      "AsyncVirtualLM", "genback[vllm]"),
     ("mlx_lm", "from genback.llm import AsyncMlxLM; AsyncMlxLM.from_name('smollm2-135m')",
      "AsyncMlxLM", "genback[mlx]"),
-    ("peft", "from genback.llm import AsyncTransformer; from genback.runners.hf.lora import "
+    ("peft", "from genback.llm import AsyncTransformer; from genback.llm.hf.lora import "
      "LoraAdapters; LoraAdapters(None).add('x')", "LoRA", "genback[lora]"),
 ]
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from genback.batcher import BatchAbandoned, BatcherClosed
+from genback.batching.batcher import BatchAbandoned, BatcherClosed
 from genback.core.output_cache import OutputCache
 
 

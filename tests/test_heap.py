@@ -91,7 +91,7 @@ def test_kv_tree_edges_are_untracked_by_the_garbage_collector():
     import numpy as np
 
     from genback.cpython import UNTRACK_MIN
-    from genback.runners.hf.cache.kvtree import KVTree
+    from genback.llm.hf.cache.kvtree import KVTree
 
     def kv(n):  # n pool slots (the tree only indexes them here)
         return np.arange(1, n + 1)

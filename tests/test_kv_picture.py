@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from genback.llm import AsyncTransformer
-from genback.runners.hf.cache.picture import live_counts
+from genback.llm.hf.cache.picture import live_counts
 
 from test_llm_tree import _smc_trace
 

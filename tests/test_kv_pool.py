@@ -1,4 +1,4 @@
-"""The KV pool's slots (genback.runners.hf.cache.kv_pool): allocation, runs, freeing, growth that keeps
+"""The KV pool's slots (genback.llm.hf.cache.kv_pool): allocation, runs, freeing, growth that keeps
 every stored value, and reads as views or gathers, against brute force."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback.runners.hf.cache.kv_pool import INITIAL_SLOTS, KVPool, consecutive_heads, run_start
+from genback.llm.hf.cache.kv_pool import INITIAL_SLOTS, KVPool, consecutive_heads, run_start
 
 LAYOUT = (2, 1, 3, torch.float32, torch.device("cpu"))
 

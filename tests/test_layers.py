@@ -6,7 +6,9 @@ them, every import statement counted: module level, in functions, under ``TYPE_C
 * the HF runner's rooms stand in one stack (:data:`HF_ROOMS`), and no backend imports another;
 * no module over 400 lines; at most 20 functions of 40 lines or more, the longest under 70;
 * query kinds are branched on (``isinstance``, ``type(q) is``, ``case Kind()``) only inside
-  runners, and in one module of the HF runner.
+  runners, and in one module of the HF runner;
+* the package root holds entry points and glue only (the query path lives in ``batching/`` and
+  ``queries/``, the command line in ``cli/``, the backends in ``llm/``).
 
 ``docs/reference/architecture.md`` describes the same layers for readers.
 """
@@ -21,12 +23,13 @@ PACKAGE = ROOT / "genback"
 
 # top first; a module belongs to the first layer whose prefix it starts with
 LAYERS = [
-    ("cli", ("genback.__init__", "genback.__main__", "genback.cli", "genback.cli_parser",
-             "genback.cli_lm_eval", "genback.cli_sample", "genback.cli_model", "genback.compat")),
+    ("cli", ("genback.__init__", "genback.__main__", "genback.cli", "genback.compat")),
     ("engine", ("genback.engine",)),
-    ("facade", ("genback.llm", "genback.backends")),
-    ("backends", ("genback.runners",)),
+    ("facade", ("genback.llm.__init__", "genback.llm.backends")),
+    ("backends", ("genback.llm",)),
     ("core", ("genback.core",)),
+    ("trie", ("genback.trie",)),
+    ("way in", ("genback.batching",)),
     ("shared", ("genback",)),
 ]
 # the HF runner's rooms, top first (lora, memory and options serve the runner: beside it)
@@ -91,7 +94,7 @@ def _layer(name: str) -> int:
 
 
 def _hf_room(name: str) -> int | None:
-    prefix = "genback.runners.hf."
+    prefix = "genback.llm.hf."
     if not name.startswith(prefix):
         return None
     head = name[len(prefix):].split(".")[0]
@@ -101,8 +104,8 @@ def _hf_room(name: str) -> int | None:
 def test_the_graph_is_read():
     graph = _graph()
     assert len(graph) > 80
-    assert "genback.runners.hf.cache.kvtree" in graph["genback.runners.hf.runner"]
-    assert "genback.core.lm" in graph["genback.runners.hf.model"]
+    assert "genback.llm.hf.cache.kvtree" in graph["genback.llm.hf.runner"]
+    assert "genback.core.lm" in graph["genback.llm.hf.model"]
 
 
 def test_no_circular_import():
@@ -137,7 +140,7 @@ def test_every_import_goes_down_the_layers():
             a, b = _hf_room(name), _hf_room(t)
             if a is not None and b is not None and b < a:
                 up.append(f"{name} imports {t}: a higher room of the HF runner")
-            wings = [n.split(".")[2] for n in (name, t) if n.startswith("genback.runners.")
+            wings = [n.split(".")[2] for n in (name, t) if n.startswith("genback.llm.")
                      and n.count(".") >= 3]
             if len(wings) == 2 and wings[0] != wings[1]:
                 up.append(f"{name} imports {t}: another backend")
@@ -185,8 +188,14 @@ def _kind_branches(path: Path) -> list[int]:
 def test_query_kinds_are_branched_on_only_inside_runners():
     where = {n: _kind_branches(p) for n, p in MODULES.items()}
     where = {n: lines for n, lines in where.items() if lines}
-    outside = [n for n in where if not n.startswith("genback.runners.")]
+    outside = [n for n in where if not n.startswith("genback.llm.")]
     assert not outside, {n: where[n] for n in outside}
-    hf = [n for n in where if n.startswith("genback.runners.hf.")]
-    assert hf == ["genback.runners.hf.forward.results"], hf
+    hf = [n for n in where if n.startswith("genback.llm.hf.")]
+    assert hf == ["genback.llm.hf.forward.results"], hf
     assert where  # (the check finds the branches that are there)
+
+
+def test_the_package_root_holds_entry_points_and_glue_only():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert root == ["__init__.py", "__main__.py", "compat.py", "cpython.py", "hub.py", "registry.py"], root
+    assert not (PACKAGE / "runners").exists()  # the backends live under genback/llm/

@@ -427,7 +427,7 @@ async def test_cache_kv_pins_a_prompt_against_eviction(tiny_hf, gpt2_tok):
 async def test_a_query_asked_twice_in_a_batch_gives_each_caller_its_own_copy():
     """The batcher's ``copy``: the second and later callers of one (deduplicated) query get
     ``copy(result)``, the first the result itself; without ``copy`` all share it."""
-    from genback.batcher import Batcher
+    from genback.batching.batcher import Batcher
 
     for copy in (None, lambda r: list(r)):
         b = Batcher(lambda qs: [[q] for q in qs], window=0.01, max_batch_size=8, copy=copy)
@@ -442,7 +442,7 @@ async def test_a_query_asked_twice_in_a_batch_gives_each_caller_its_own_copy():
 async def test_queries_stay_immutable_and_cached_keys_drop_the_lineage_hint(tiny_lm):
     """The front's row cache keeps a copy of a query without its ``parent`` (a cached key must
     not keep the parent context alive); the query itself is never changed."""
-    from genback.query import NextToken
+    from genback.queries.kinds import NextToken
 
     parent = (464, 3139, 286)
     await tiny_lm.next_token_logprobs(list(parent))
@@ -459,10 +459,10 @@ async def test_queries_stay_immutable_and_cached_keys_drop_the_lineage_hint(tiny
 async def test_the_batchers_compute_hands_fresh_rows_out_and_caches_copies(tiny_lm):
     """The batcher's compute step (``Front._compute_owned``) on host rows: the rows the runner
     computed go to their callers as they are and the output cache keeps copies of them (one
-    :class:`genback.rows.BlockRow` each, a block of its own); a row the cache held already is
+    :class:`genback.queries.rows.BlockRow` each, a block of its own); a row the cache held already is
     handed out as a copy. Every row equals an uncached forward's, and writing into a handed-out
     row changes nothing the cache hands out later."""
-    from genback.rows import BlockRow
+    from genback.queries.rows import BlockRow
 
     front = tiny_lm.front
     old = [464, 3139, 286]

@@ -252,7 +252,7 @@ async def test_token_logprobs_longer_than_the_window_is_refused(tiny_hf, gpt2_to
     never an input, as lm-eval's HFLM counts): 512 inputs fit the tiny model's 512, 513 fail."""
     lm = AsyncTransformer(tiny_hf, gpt2_tok)  # n_positions = 512
     try:
-        # the forward's inputs are counted (context + continuation[:-1]; genback.window)
+        # the forward's inputs are counted (context + continuation[:-1]; genback.queries.window)
         with pytest.raises(ValueError, match=r"context_ids \+ continuation_ids has 300 \+ 300 "
                                              r"tokens: the forward takes 599 inputs"):
             await lm.token_logprobs([1] * 300, [2] * 300)
@@ -301,7 +301,7 @@ async def test_batch_size_set_after_construction_takes_effect(tiny_hf, gpt2_tok)
 
 
 def test_match_probes_do_not_reorder_the_lru():
-    from genback.runners.hf.cache.kvtree import KVTree
+    from genback.llm.hf.cache.kvtree import KVTree
 
     tree = KVTree(10_000)
     tree.insert((1, 2), 0, np.array([1, 2]))

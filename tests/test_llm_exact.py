@@ -181,7 +181,7 @@ def test_host_rows_are_made_in_blocks_equal_to_one_log_softmax():
     """Rows that land on the CPU are computed in blocks of about 1 MiB (memory malloc reuses,
     instead of a fresh mapping of N x V x 4 bytes per step): each row equals one log_softmax of
     the whole batch, is float32 on the row device, and blocks are separate allocations."""
-    from genback.rows import HOST_BLOCK_BYTES as _ROW_BLOCK_BYTES, log_softmax_rows as _log_softmax_rows
+    from genback.queries.rows import HOST_BLOCK_BYTES as _ROW_BLOCK_BYTES, log_softmax_rows as _log_softmax_rows
 
     torch.manual_seed(0)
     V = 100_000  # 2 rows per block

@@ -58,7 +58,7 @@ def test_rss_stays_within_budget_rows_and_one_forward(smol_hf):
 
 async def test_a_hot_cached_row_does_not_keep_its_step_block_alive(tiny_hf, gpt2_tok):
     """The output cache keeps a step's rows as one block of copies (host rows: each entry a
-    :class:`genback.rows.BlockRow`, no view per row); once the others have left the cache, a row
+    :class:`genback.queries.rows.BlockRow`, no view per row); once the others have left the cache, a row
     that was asked again (a hit) must not hold the block: the hit keeps a compact copy. Asked
     again, the row is the same values as computed first."""
     import gc
@@ -66,7 +66,7 @@ async def test_a_hot_cached_row_does_not_keep_its_step_block_alive(tiny_hf, gpt2
 
     import torch
 
-    from genback.rows import BlockRow
+    from genback.queries.rows import BlockRow
 
     lm = AsyncTransformer(tiny_hf, gpt2_tok, row_cache_size=4, batch_window=0.05)
     try:

@@ -23,7 +23,7 @@ pytest.importorskip("mlx.core", reason='mlx is not installed: pip install "genba
 pytest.importorskip("mlx_lm", reason='mlx-lm is not installed: pip install "genback[mlx]"')
 
 from genback.llm import AsyncMlxLM, BatcherClosed, load_model_by_name  # noqa: E402
-from genback.runners.mlx import thread as mlx_thread  # noqa: E402
+from genback.llm.mlx import thread as mlx_thread  # noqa: E402
 
 CROSS_TOL = 1e-3  # MLX fp32 vs HF fp32 (different kernels)
 SELF_TOL = 1e-4  # MLX cached / batched paths vs MLX uncached on SmolLM2 (the README's promise: 1e-4)
@@ -243,7 +243,7 @@ def test_bad_input_names_argument(mlx_lm):
 def test_genlm_backend_constructor_names_and_mlx_lm_load(mlx_lm):
     import mlx_lm as mlx_lm_pkg
 
-    from genback.runners.mlx.model import _config_overrides
+    from genback.llm.mlx.model import _config_overrides
     from genback.registry import resolve
     from mlx_lm.utils import load_config
     from pathlib import Path

@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 from genback.llm import AsyncTransformer
 from genback.core.inputs import ContextChecker
-from genback.query import NextToken, Prefill, Score
-from genback.runners.hf.cache.kv_pool import KVPool
-from genback.runners.hf.cache.kvtree import KVTree
-from genback.runners.hf.cache.nodes import Node, append_slots, common_prefix_length
-from genback.runners.hf.plan.batch import Path, group_paths, plan_batch, plan_step
-from genback.runners.hf.plan.budget import ForwardBudget
-from genback.query import Step
-from genback.sampling import Pick, SamplingParams
+from genback.queries.kinds import NextToken, Prefill, Score
+from genback.llm.hf.cache.kv_pool import KVPool
+from genback.llm.hf.cache.kvtree import KVTree
+from genback.llm.hf.cache.nodes import Node, append_slots, common_prefix_length
+from genback.llm.hf.plan.batch import Path, group_paths, plan_batch, plan_step
+from genback.llm.hf.plan.budget import ForwardBudget
+from genback.queries.kinds import Step
+from genback.queries.sampling import Pick, SamplingParams
 
 
 @settings(max_examples=300, deadline=None)
@@ -197,7 +197,7 @@ async def test_a_caller_mutating_its_row_cannot_change_the_cached_row(tiny_lm):
     torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), keep, rtol=0, atol=0)
     # two callers of one new context in one batch (the batcher's copy for the second), beside
     # others: each gets its own row, a view of a block of at most HOST_OWNED_BLOCK_BYTES
-    from genback.rows import HOST_BLOCK_BYTES as HOST_OWNED_BLOCK_BYTES
+    from genback.queries.rows import HOST_BLOCK_BYTES as HOST_OWNED_BLOCK_BYTES
 
     new = [ctx + [15], ctx + [15]] + [ctx + [16, t] for t in range(40)]
     rows = await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in new))
@@ -453,7 +453,7 @@ def test_plan_step_leaves_every_other_batch_to_plan_batch():
 
 def test_plan_step_finds_a_parent_with_no_note_by_its_tokens():
     """Particles whose contexts were equal asked one query, so one context object was noted:
-    given ``resolve`` (the tree's :meth:`~genback.runners.hf.cache.kvtree.KVTree.end_node`), a
+    given ``resolve`` (the tree's :meth:`~genback.llm.hf.cache.kvtree.KVTree.end_node`), a
     parent that is an equal but other object is found by its tokens, its step planned as the
     noted parent's is; a parent whose KV ends inside an edge, or is not cached, is not."""
     tree = KVTree(1 << 30)
@@ -524,12 +524,12 @@ async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok,
     """An SMC run through the public API (shared prompt, resampling; concurrent
     ``next_token_logprobs`` calls, or ``batch_next_token_logprobs_sync``): every step after the
     prompt is planned by plan_step (no plan_batch, no tree match), one forward per step, no
-    context is copied whole (no flat tuple of a step's context is built: genback.context), and
+    context is copied whole (no flat tuple of a step's context is built: genback.queries.context), and
     every row equals an uncached forward."""
-    import genback.runners.hf.runner as runner_module
+    import genback.llm.hf.runner as runner_module
     from test_llm_tree import _max_err, _smc_trace
 
-    from genback.context import Context
+    from genback.queries.context import Context
 
     trace = _smc_trace(random.Random(3), 300, 12, 7, 3, 50)  # 300 tokens: the identity check
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, decode=decode)

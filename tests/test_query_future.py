@@ -1,4 +1,4 @@
-"""``next_token_logprobs`` hands out the batcher's future itself (``genback.query_future``): a gather
+"""``next_token_logprobs`` hands out the batcher's future itself (``genback.batching.futures``): a gather
 of queries runs no task per query, and everything that takes a coroutine or an awaitable still
 works: ``await``, ``gather``, ``create_task`` (and its cancellation), ``wait_for``, a call made
 outside a loop, bad input failing its caller alone."""
@@ -11,7 +11,7 @@ import inspect
 import pytest
 import torch
 
-from genback.query_future import QueryFuture, done_future, failed_future
+from genback.batching.futures import QueryFuture, done_future, failed_future
 
 
 def _counting_tasks(loop) -> list:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from genback.batcher import Batcher, BatcherClosed
+from genback.batching.batcher import Batcher, BatcherClosed
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from genback.llm import AsyncTransformer
-from genback.sampling import SamplingParams
+from genback.queries.sampling import SamplingParams
 
 WINDOW = 32
 

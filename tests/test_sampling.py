@@ -1,4 +1,4 @@
-"""The sampling module (genback.sampling), decoding steps on the device, and the engine's
+"""The sampling module (genback.queries.sampling), decoding steps on the device, and the engine's
 generation config against ``transformers.generate`` on the real SmolLM2."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from conftest import until
 from genback.engine import GenbackEngine, GenerationRequest
 from genback.llm import AsyncTransformer
-from genback.sampling import Choice, Pick, SamplingParams, choose
+from genback.queries.sampling import Choice, Pick, SamplingParams, choose
 
 
 def step(params=SamplingParams(), prompt_length=0, n=0, banned=()):
@@ -181,7 +181,7 @@ async def test_generate_stream_is_the_choose_next_loop(tiny_lm):
     await stream.__anext__()
     await stream.aclose()
     assert tiny_lm.cache_info()["queries"] - before == 2
-    with pytest.raises(TypeError, match="params must be a genback.sampling.SamplingParams"):
+    with pytest.raises(TypeError, match="params must be a genback.queries.sampling.SamplingParams"):
         await stream_all(tiny_lm.generate_stream([1], "greedy", 2))
     with pytest.raises(ValueError, match="min_new_tokens must be an int >= 0, got -1"):
         await stream_all(tiny_lm.generate_stream([1], SamplingParams(), 2, min_new_tokens=-1))
@@ -200,7 +200,7 @@ async def test_sample_argument_errors_name_the_argument(tiny_lm):
         await tiny_lm.batch_sample([[1], [2]], 3, [0], seed=1.5)
     with pytest.raises(TypeError, match=r"seed\[1\] must be an int or None, got str"):
         await tiny_lm.batch_sample([[1], [2]], 3, [0], seed=[1, "x"])
-    with pytest.raises(TypeError, match="pick must be a genback.sampling.Pick"):
+    with pytest.raises(TypeError, match="pick must be a genback.queries.sampling.Pick"):
         await tiny_lm.choose_next([1], "greedy")
 
 

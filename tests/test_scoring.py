@@ -14,7 +14,7 @@ import torch
 
 from genback.engine import GenbackEngine, LoglikelihoodRequest, RollingLoglikelihoodRequest
 from genback.engine.encoding import encode_pair
-from genback.window import rolling_windows
+from genback.queries.window import rolling_windows
 from genback.engine.scoring import sharing_order
 from genback.llm import AsyncTransformer, MockAsyncLM
 

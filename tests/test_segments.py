@@ -1,4 +1,4 @@
-"""The union of a forward's paths (genback.runners.hf.plan.segments) and the private pasts' slot layout
+"""The union of a forward's paths (genback.llm.hf.plan.segments) and the private pasts' slot layout
 from it, against brute force: each path's segments listed one by one from the tree, counted per
 path, laid out by concatenation. Random trees with splits after matching (a later insertion of the
 same level splits a holder's edge) and compaction; every path's KV is read back token by token."""
@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from genback.runners.hf.cache.kv_pool import KVPool
-from genback.runners.hf.cache.kvtree import KVTree
-from genback.runners.hf.plan.batch import Path
-from genback.runners.hf.cache.nodes import prefix_segments
-from genback.runners.hf.plan.anchors import Anchors
-from genback.runners.hf.plan.segments import SegmentTable, split_segments
+from genback.llm.hf.cache.kv_pool import KVPool
+from genback.llm.hf.cache.kvtree import KVTree
+from genback.llm.hf.plan.batch import Path
+from genback.llm.hf.cache.nodes import prefix_segments
+from genback.llm.hf.plan.anchors import Anchors
+from genback.llm.hf.plan.segments import SegmentTable, split_segments
 
 
 def _kv(tokens: tuple, start: int) -> torch.Tensor:
@@ -173,7 +173,7 @@ def test_union_of_paths_agrees_with_per_path_segments(seqs, picks, later, min_sh
                               st.lists(st.integers(1, 3), min_size=1, max_size=5),
                               st.integers(0, 3)), min_size=1, max_size=40))
 def test_eviction_is_least_recently_used_with_ancestors_used_with_their_paths(ops):
-    """The tree's stamps (genback.runners.hf.cache.recency) against a brute-force record of
+    """The tree's stamps (genback.llm.hf.cache.recency) against a brute-force record of
     every use: a node's recency is the last use of its own path or of any path below it (a
     use of a path uses its ancestors), and every node an ``evict`` removes is at most as recent
     as every leaf it left (none held or pinned here)."""
@@ -262,7 +262,7 @@ def test_anchored_walks_agree_with_brute_force_through_an_smc_run():
     equals the per-path rule, and the anchor is used (the walks stay short)."""
     import random
 
-    import genback.runners.hf.plan.segments as segments
+    import genback.llm.hf.plan.segments as segments
 
     rng = random.Random(0)
     pool = KVPool((1, 1, 3, torch.float32, torch.device("cpu")), capacity=64)

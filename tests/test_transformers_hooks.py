@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from genback.runners.hf.forward import attention as tree_attention
-from genback.runners.hf.forward.tree_cache import cache_argument, returned_cache
+from genback.llm.hf.forward import attention as tree_attention
+from genback.llm.hf.forward.tree_cache import cache_argument, returned_cache
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genback.runners.hf.forward import attention as T
+from genback.llm.hf.forward import attention as T
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -1,5 +1,5 @@
-"""The tree path's uniform steps laid out from the last step's rows (genback.runners.hf.plan.lanes
-in genback.runners.hf.forward.tree): every row's slots are its cached context's slots in the
+"""The tree path's uniform steps laid out from the last step's rows (genback.llm.hf.plan.lanes
+in genback.llm.hf.forward.tree): every row's slots are its cached context's slots in the
 tree plus its new slot, checked at every step against a walk of the tree; rows equal an uncached
 forward; counted steps; another adapter retires the rows (a freed slot: test_decode_step)."""
 
@@ -10,11 +10,11 @@ import random
 import numpy as np
 
 from genback.llm import AsyncTransformer
-from genback.query import NextToken
-from genback.runners.hf.cache.nodes import prefix_segments
-from genback.runners.hf.forward import tree as tree_forward
-from genback.runners.hf.plan.batch import Output, Path
-from genback.runners.hf.plan.lanes import REFRESH, Lanes
+from genback.queries.kinds import NextToken
+from genback.llm.hf.cache.nodes import prefix_segments
+from genback.llm.hf.forward import tree as tree_forward
+from genback.llm.hf.plan.batch import Output, Path
+from genback.llm.hf.plan.lanes import REFRESH, Lanes
 
 from test_decode_step import _run_trace
 from test_llm_tree import _smc_trace

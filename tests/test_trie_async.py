@@ -111,7 +111,7 @@ async def test_failed_single_request_batch_never_hangs():
 
 
 async def test_start_is_idempotent_and_shared_batcher_is_used():
-    from genback.batcher import Batcher
+    from genback.batching.batcher import Batcher
 
     a = AsyncTokenCharacterTrie(TokenCharacterTrie(TOY), max_batch=3)
     b = a.start()

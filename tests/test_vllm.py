@@ -391,7 +391,7 @@ async def test_reset_async_queries_aborts_what_is_in_flight(vlm, smol_hf):
 async def test_engine_error_fails_only_its_requests(vlm, prefixes):
     """A request vLLM rejects (a prompt longer than max_model_len, sent past genback's own
     check) fails alone, with a RuntimeError naming vLLM and the cause."""
-    from genback.query import NextToken
+    from genback.queries.kinds import NextToken
 
     vlm.clear_cache()
     too_long = tuple([7] * 600)

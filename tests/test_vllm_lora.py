@@ -18,7 +18,7 @@ pytest.importorskip("peft", reason='peft is not installed: pip install "genback[
 
 from conftest import until  # noqa: E402
 from genback.llm import AsyncTransformer  # noqa: E402
-from genback.sampling import SamplingParams  # noqa: E402
+from genback.queries.sampling import SamplingParams  # noqa: E402
 from test_lora import _fresh_smol, _make_adapter  # noqa: E402
 
 TOL = 1e-3  # vLLM's and HF's fp32 CPU kernels (as tests/test_vllm.py)

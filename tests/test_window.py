@@ -1,4 +1,4 @@
-"""The model window (genback.window), and requests longer than it answered as lm-eval's HFLM
+"""The model window (genback.queries.window), and requests longer than it answered as lm-eval's HFLM
 answers them, at the model's *own* window (no ``max_length`` given to either side).
 
 Two models: a random GPT-2 whose own window is 64 positions (a forward of 65 inputs would fail
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from genback.engine import GenbackEngine, LoglikelihoodRequest, RollingLoglikelihoodRequest
-from genback.window import check_pair, pair_inputs, rolling_windows, truncate_pair
+from genback.queries.window import check_pair, pair_inputs, rolling_windows, truncate_pair
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the [eval] extra")
 

@@ -84,7 +84,7 @@ class Adapters:
 
         ``lora_path``: a folder saved by peft's ``save_pretrained`` (on AsyncMlxLM: a folder as
         ``mlx_lm.lora`` saves it, ``adapter_config.json`` with ``fine_tune_type: "lora"`` and
-        ``adapters.safetensors``: :mod:`genback.runners.mlx.lora`), or a Hub id read from the
+        ``adapters.safetensors``: :mod:`genback.llm.mlx.lora`), or a Hub id read from the
         local Hugging Face cache. Queries then
         pick the adapter with ``lora_name=...``; their rows are cached apart from the base
         model's and other adapters'. Registering a name again replaces that adapter: its cached

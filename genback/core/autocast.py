@@ -14,7 +14,7 @@ AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
 class no_autocast:
     """Run the ``with`` block with ``torch.autocast`` off on every device type that the calling
     thread has it on (a no-op, ~1 µs, when none has). A batch may run on the caller's thread (a
-    step whose cohort is in, :mod:`genback.batcher`; ``ask_sync``; ``pin``), and the caller's
+    step whose cohort is in, :mod:`genback.batching.batcher`; ``ask_sync``; ``pin``), and the caller's
     autocast, a thread-local setting, must not change genback's rows: they are the model's own
     dtype's, as on the worker thread. (A class, not a generator: fewer calls per batch.)"""
 

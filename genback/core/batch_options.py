@@ -1,11 +1,11 @@
 """``BatchOptions``: the batcher's two settings, ``batch_size`` and ``batch_window``, as a model
 exposes them (:class:`genback.core.front.Front` has them; ``AsyncLM`` forwards them): read and set
-on genback's :class:`~genback.batcher.Batcher`, None on a backend whose engine sizes its own
-batches (vLLM, :class:`~genback.immediate.Immediate`)."""
+on genback's :class:`~genback.batching.batcher.Batcher`, None on a backend whose engine sizes its own
+batches (vLLM, :class:`~genback.batching.immediate.Immediate`)."""
 
 from __future__ import annotations
 
-from ..batcher import Batcher
+from ..batching.batcher import Batcher
 from .inputs import check_positive_int
 
 

@@ -1,9 +1,9 @@
 """``Decoding``: decoding steps, generation and sampling, a part of ``AsyncLM`` (``lm.decoding``).
 
-``choose_next`` is one decoding step (the token chosen by :mod:`genback.sampling` where the
+``choose_next`` is one decoding step (the token chosen by :mod:`genback.queries.sampling` where the
 logits are); ``generate_stream`` streams one generation, deciding once per generation who makes
 it: a runner that streams by itself (``Capabilities.streams``: vLLM's engine, one request per
-generation, :mod:`genback.runners.vllm.stream`) when it takes the generation's options, else the
+generation, :mod:`genback.llm.vllm.stream`) when it takes the generation's options, else the
 next-token loop (one ``choose_next`` step per token); ``sample`` / ``batch_sample`` are ancestral
 sampling built on it. The part uses only the front's public methods
 (:class:`~genback.core.front.Front`: checks, adapter keys, the output cache, the query path) and
@@ -17,8 +17,8 @@ import math
 import numbers
 from typing import AsyncIterator
 
-from ..query import Step
-from ..sampling import Choice, Pick, SamplingParams, choose
+from ..queries.kinds import Step
+from ..queries.sampling import Choice, Pick, SamplingParams, choose
 from .inputs import check_list, check_token_ids
 
 
@@ -41,15 +41,15 @@ class Decoding:
         Concurrent steps of different requests share forwards (continuous batching: every
         active generation steps in the same batch). Runners that choose on the model's device
         (``AsyncTransformer``, the mock) get the step as a query and return only the token and
-        the asked-for log-probs; for the others (vLLM rows) :func:`genback.sampling.choose`
+        the asked-for log-probs; for the others (vLLM rows) :func:`genback.queries.sampling.choose`
         runs on the next-token row. A row already in the output cache is used as it is.
 
         Args:
             token_ids: the context (prompt then generated tokens), non-empty ids in ``[0, V)``.
-            pick: a :class:`genback.sampling.Pick` (its ``params`` are already validated).
+            pick: a :class:`genback.queries.sampling.Pick` (its ``params`` are already validated).
 
         Returns:
-            :class:`genback.sampling.Choice`.
+            :class:`genback.queries.sampling.Choice`.
 
         Raises:
             TypeError / ValueError: bad ``token_ids`` or ``pick``, or every token banned.
@@ -57,7 +57,7 @@ class Decoding:
         front = self.front
         adapter = front.adapter_key(lora_name)
         if not isinstance(pick, Pick):
-            raise TypeError(f"pick must be a genback.sampling.Pick, got {type(pick).__name__}")
+            raise TypeError(f"pick must be a genback.queries.sampling.Pick, got {type(pick).__name__}")
         query = front.next_token(token_ids, adapter)
         row = front.lookup(query)  # a row already cached is used as it is
         if row is None:
@@ -74,7 +74,7 @@ class Decoding:
     ) -> AsyncIterator[Choice]:
         """Stream the tokens of one generation, each as soon as it is chosen.
 
-        Yields one :class:`genback.sampling.Choice` per new token (with its model log-prob and
+        Yields one :class:`genback.queries.sampling.Choice` per new token (with its model log-prob and
         top log-probs when ``params.logprobs`` / ``params.top_logprobs`` ask for them). The
         generation ends after ``max_new_tokens`` tokens, or at a token in ``eos_token_ids`` or
         ``stop_token_ids`` (an *ender*): that token is yielded last, so the caller sees why it
@@ -89,14 +89,14 @@ class Decoding:
 
         Who makes the tokens is decided once: a runner that streams by itself
         (``Capabilities.streams``, ``AsyncVirtualLM``) gets the generation when its sampler takes
-        these options (:mod:`genback.runners.vllm.stream`: one vLLM request, vLLM's sampler);
+        these options (:mod:`genback.llm.vllm.stream`: one vLLM request, vLLM's sampler);
         otherwise each token is one :meth:`choose_next` step: concurrent generations step
         together, one forward per step for all of them, the token chosen by
-        :mod:`genback.sampling` on the model's device.
+        :mod:`genback.queries.sampling` on the model's device.
 
         Args:
             prompt_token_ids: non-empty ids in ``[0, V)``.
-            params: :class:`genback.sampling.SamplingParams` (greedy or sampled, penalties,
+            params: :class:`genback.queries.sampling.SamplingParams` (greedy or sampled, penalties,
                 log-probs).
             max_new_tokens: int >= 0, most tokens yielded (ender included).
             eos_token_ids: ids in ``[0, V)`` that end the generation; None: the model's
@@ -173,7 +173,7 @@ class Decoding:
         documents."""
         prompt = list(self.front.tokens(prompt_token_ids, "prompt_token_ids"))
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a genback.sampling.SamplingParams, got "
+            raise TypeError(f"params must be a genback.queries.sampling.SamplingParams, got "
                             f"{type(params).__name__}: {params!r}")
         for name, value in (("max_new_tokens", max_new_tokens),
                             ("min_new_tokens", min_new_tokens)):
@@ -220,7 +220,7 @@ class Decoding:
         temperature, seed)``.
 
         Each token is drawn from ``softmax(logits / temperature)``. On ``AsyncTransformer`` (one
-        :meth:`choose_next` step per token, :mod:`genback.sampling` on the model's device) the
+        :meth:`choose_next` step per token, :mod:`genback.queries.sampling` on the model's device) the
         draw uses a generator seeded from ``(seed, step)``: reproducible when ``seed`` is given,
         whatever else is computed beside it. On ``AsyncVirtualLM`` it is vLLM's sampler with a
         per-request seed: the same distribution, reproducible, but another random stream than

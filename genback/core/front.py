@@ -5,8 +5,8 @@ extends a validated one is checked in work independent of its length; the model'
 output cache of next-token rows (:class:`~genback.core.output_cache.OutputCache`); the adapters
 (:class:`~genback.core.adapters.Adapters`, when the runner declares them); the counters; the
 forward lock, which serialises the runner's use; and the scheduler, built from what the runner
-declares (:class:`~genback.runner.Capabilities`): genback's :class:`~genback.batcher.Batcher`, or
-:class:`~genback.immediate.Immediate` for a runner whose engine batches by itself.
+declares (:class:`~genback.batching.runner.Capabilities`): genback's :class:`~genback.batching.batcher.Batcher`, or
+:class:`~genback.batching.immediate.Immediate` for a runner whose engine batches by itself.
 
 Five ways in, and the path each takes:
 
@@ -15,10 +15,10 @@ Five ways in, and the path each takes:
   worker thread (a lockstep step on the event loop's thread) through the front's compute step:
   rows cached meanwhile are taken, the rest go to ``runner.run`` under the forward lock and
   without the calling thread's autocast (:func:`no_autocast`), next-token rows are stored in
-  the output cache, and each caller gets a row of its own (:mod:`genback.rows`). With
+  the output cache, and each caller gets a row of its own (:mod:`genback.queries.rows`). With
   ``Immediate``, each query goes to the runner's ``answer_shared`` and its row is stored.
 * :meth:`Front.next_token_row` (``next_token_logprobs``): the same lookup, and the batcher's
-  future itself handed out (:mod:`genback.query_future`: no task per query in a gather).
+  future itself handed out (:mod:`genback.batching.futures`: no task per query in a gather).
 * :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
   (the decoding loop: no coroutine of its own per query).
 * :meth:`Front.ask_sync`: distinct queries computed on the calling thread in one batch, by the
@@ -35,26 +35,26 @@ import threading
 
 import torch
 
-from ..batcher import Batcher, BatcherClosed
-from ..immediate import Immediate
-from ..context import Context
+from ..batching.batcher import Batcher, BatcherClosed
+from ..batching.immediate import Immediate
+from ..queries.context import Context
 from .output_cache import OutputCache
-from ..query import NextToken, Query, Score
-from ..runner import Capabilities
-from ..window import check_pair, context_too_long
+from ..queries.kinds import NextToken, Query, Score
+from ..batching.runner import Capabilities
+from ..queries.window import check_pair, context_too_long
 from .adapters import Adapters
 from .autocast import no_autocast
 from .batch_options import BatchOptions
 from .inputs import ContextChecker, check_lora, check_positive_int
-from ..query_future import done_future, failed_future
-from ..rows import copy_result, kept_copies, own, owned_copies
+from ..batching.futures import done_future, failed_future
+from ..queries.rows import copy_result, kept_copies, own, owned_copies
 
 
 class Front(BatchOptions):
     """Checks, output cache, counters, forward lock and scheduler in front of one runner.
 
     Args:
-        runner: the backend runner (:class:`genback.runner.Runner`).
+        runner: the backend runner (:class:`genback.batching.runner.Runner`).
         vocab_size: the logit width ``V`` (ids must lie in ``[0, V)``).
         max_context_length: most tokens a forward's inputs may have (None: no limit).
         row_cache_size: most next-token rows kept (0 disables the output cache).
@@ -103,7 +103,7 @@ class Front(BatchOptions):
     def checked(self, token_ids, name: str = "token_ids"
                 ) -> tuple[Context, int, Context | None]:
         """``(context, context_hash(ids), parent)`` of a checked context, as a
-        :class:`~genback.context.Context` (see :meth:`.inputs.ContextChecker.check_context`).
+        :class:`~genback.queries.context.Context` (see :meth:`.inputs.ContextChecker.check_context`).
 
         Raises:
             TypeError / ValueError: as :meth:`tokens`.
@@ -114,8 +114,8 @@ class Front(BatchOptions):
         return ctx, h, parent
 
     def next_token(self, token_ids, adapter: int | None, name: str = "token_ids") -> NextToken:
-        """The :class:`~genback.query.NextToken` query of a checked context (its ``context``
-        the front's :class:`~genback.context.Context`: no flat tuple is built for it).
+        """The :class:`~genback.queries.kinds.NextToken` query of a checked context (its ``context``
+        the front's :class:`~genback.queries.context.Context`: no flat tuple is built for it).
 
         Raises:
             TypeError / ValueError: as :meth:`tokens`.
@@ -124,7 +124,7 @@ class Front(BatchOptions):
         return NextToken(ctx, adapter, tokens_hash=h, parent=parent, n_tokens=ctx._n)
 
     def score(self, context_ids, continuation_ids, greedy: bool, adapter: int | None) -> Score:
-        """The :class:`~genback.query.Score` of a continuation after a context. The window counts
+        """The :class:`~genback.queries.kinds.Score` of a continuation after a context. The window counts
         the forward's inputs, ``context + continuation[:-1]`` (the last token is never an input).
 
         Raises:
@@ -194,10 +194,10 @@ class Front(BatchOptions):
     def next_token_row(self, token_ids, lora_name):
         """The awaitable of ``next_token_logprobs(token_ids, lora_name)``: the caller's own row
         (float32 ``[V]``). On a running event loop with genback's batcher it is a
-        :class:`~genback.query_future.QueryFuture`: the batcher's own future of the query, or one
+        :class:`~genback.batching.futures.QueryFuture`: the batcher's own future of the query, or one
         done already (a cached row's copy, or the ``TypeError`` / ``ValueError`` of bad input,
         raised where it is awaited), so a gather of queries runs no task per query
-        (:mod:`genback.query_future`); otherwise a coroutine (:meth:`_next_token_row`)."""
+        (:mod:`genback.batching.futures`); otherwise a coroutine (:meth:`_next_token_row`)."""
         if self.batched:
             try:
                 loop = asyncio.get_running_loop()
@@ -243,7 +243,7 @@ class Front(BatchOptions):
 
     def submit_many(self, queries: list[Query]):
         """The awaitable list of results of counted ``queries`` that :meth:`lookup` did not
-        find: one future for all (:meth:`genback.batcher.Batcher.enqueue_many`), or a gather of
+        find: one future for all (:meth:`genback.batching.batcher.Batcher.enqueue_many`), or a gather of
         :meth:`submit`'s coroutines for an engine that schedules itself. Fails with the first
         failure."""
         if isinstance(self.scheduler, Batcher):
@@ -296,7 +296,7 @@ class Front(BatchOptions):
     def _store(self, queries, values) -> None:
         """Keep the computed next-token rows (the only place the output cache is written), under
         one lock of the cache. The key is the query without its lineage hint
-        (:meth:`genback.query.NextToken.without_parent`): the hint served the runner's match, and
+        (:meth:`genback.queries.kinds.NextToken.without_parent`): the hint served the runner's match, and
         a cached key would otherwise keep its parent context alive too (queries are immutable,
         so the hint is left out of a copy rather than cleared)."""
         rows = [(q.without_parent(), v) for q, v in zip(queries, values)
@@ -336,8 +336,8 @@ class Front(BatchOptions):
 
     def _compute_owned(self, queries: list[Query]) -> list:
         """:meth:`_compute` for the batcher, whose callers get rows of their own
-        (:mod:`genback.rows`): fresh host rows as they are, the cache keeping copies
-        (:func:`~genback.rows.kept_copies`); others copied (:func:`~genback.rows.owned_copies`)."""
+        (:mod:`genback.queries.rows`): fresh host rows as they are, the cache keeping copies
+        (:func:`~genback.queries.rows.kept_copies`); others copied (:func:`~genback.queries.rows.owned_copies`)."""
         results, todo, computed = self._run(queries)
         fresh = [i for i in todo if queries[i].cacheable and type(results[i]) is torch.Tensor]
         mine = set(fresh) if fresh and results[fresh[0]].is_cpu else ()  # (handed as they are)

@@ -11,10 +11,10 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from ..context import Context, exact_ints
+from ..queries.context import Context, exact_ints
 from ..cpython import untrack_ids
 from ..cpython import same_items
-from ..query import HASH_TAIL, context_hash
+from ..queries.kinds import HASH_TAIL, context_hash
 
 
 def check_token_ids(
@@ -22,7 +22,7 @@ def check_token_ids(
 ) -> tuple[int, ...]:
     """Return ``token_ids`` as a tuple of Python ints after checking them.
 
-    Accepts a list or tuple of ints (NumPy integers too), a :class:`~genback.context.Context`,
+    Accepts a list or tuple of ints (NumPy integers too), a :class:`~genback.queries.context.Context`,
     or a 1-D integer NumPy array or torch tensor (any device).
 
     Raises:
@@ -89,11 +89,11 @@ class ContextChecker:
 
     A context equal to one validated recently, or extending one by a single token (an SMC step,
     a decoding step), is checked in work that does not grow with its length in Python: its
-    hash (its last :data:`~genback.query.HASH_TAIL` ids), one comparison in C and the new
+    hash (its last :data:`~genback.queries.kinds.HASH_TAIL` ids), one comparison in C and the new
     token's check, instead of a pass over every id. Validated contexts are kept as
-    :class:`~genback.context.Context` s: an extension shares its parent's flat ``base`` and
+    :class:`~genback.queries.context.Context` s: an extension shares its parent's flat ``base`` and
     adds the token to a short tail, so no step copies a whole context
-    (:mod:`genback.context`). The validated object itself is returned (equal ids that are not
+    (:mod:`genback.queries.context`). The validated object itself is returned (equal ids that are not
     plain ints, such as NumPy ints, come back as the ints validated before), with its hash, so
     a query built from it never hashes the context again.
 
@@ -134,7 +134,7 @@ class ContextChecker:
     def check_context(self, token_ids, name: str = "token_ids"
                       ) -> tuple[Context, int, Context | None]:
         """``(context, context_hash(ids), parent)``: checked ``token_ids`` as a
-        :class:`~genback.context.Context`, its hash (:func:`genback.query.context_hash`,
+        :class:`~genback.queries.context.Context`, its hash (:func:`genback.queries.kinds.context_hash`,
         independent of the context's length in cost) and, when ``ids`` extends a remembered
         context by one token, that context (``parent == ids[:-1]``, compared here; else None).
 
@@ -173,7 +173,7 @@ class ContextChecker:
         return self._check_new(token_ids, name)
 
     def _check_object(self, ctx: Context, name: str) -> tuple[Context, int, Context | None]:
-        """:meth:`check_context` of a caller's :class:`~genback.context.Context`: its ids are
+        """:meth:`check_context` of a caller's :class:`~genback.queries.context.Context`: its ids are
         checked once per model vocabulary (a context checked already is taken as it is; one
         made by ``+`` from a checked one has only its added ids checked), then it is
         remembered itself, and the context it extends by one token is its parent."""

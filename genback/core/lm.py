@@ -3,7 +3,7 @@
 ``AsyncLM`` has no base classes; it composes parts: ``front`` (:class:`~genback.core.front.Front`:
 input checks, the output cache, counters, the forward lock, the adapters
 (:class:`~genback.core.adapters.Adapters`) and the scheduler, *when*), ``runner`` (*what*:
-:mod:`genback.runner`; its ``capabilities`` choose the scheduler and who streams generations),
+:mod:`genback.batching.runner`; its ``capabilities`` choose the scheduler and who streams generations),
 ``decoding`` (:class:`~genback.core.decoding.Decoding`: steps, generation, sampling) and ``queue``
 (:class:`~genback.core.queue_api.QueueAPI`: genlm-backend's queue hooks), which use the front's
 public methods only. Every public method takes the front's one path; the backends
@@ -18,13 +18,13 @@ from typing import Awaitable
 
 import torch
 
-from ..batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
-from ..context import Context
+from ..batching.batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F401 (BatchAbandoned: genlm name)
+from ..queries.context import Context
 from ..cpython import freeze_startup_heap
-from ..query import Query  # noqa: F401 (genback.llm's name of the base kind)
-from ..rows import own
-from ..runner import Runner
-from ..sampling import Choice, Pick, SamplingParams
+from ..queries.kinds import Query  # noqa: F401 (genback.llm's name of the base kind)
+from ..queries.rows import own
+from ..batching.runner import Runner
+from ..queries.sampling import Choice, Pick, SamplingParams
 from .decoding import Decoding
 from .front import Front
 from .inputs import check_list, check_positive_int, model_eos_ids
@@ -36,16 +36,16 @@ class AsyncLM:
 
     Args:
         tokenizer: the Hugging Face tokenizer of the model.
-        runner: the backend runner (:class:`genback.runner.Runner`) that computes batches.
+        runner: the backend runner (:class:`genback.batching.runner.Runner`) that computes batches.
         vocab_size: the logit width ``V`` (rows have ``V`` entries; ``byte_vocab`` is padded to it).
         batch_size: most distinct queries per batch (>= 1); settable later (``lm.batch_size = n``).
             How many of them share one forward is the runner's decision (by work and memory).
         batch_window: seconds a batch waits for more queries, from its first query (finite, >= 0);
             a batch with as many callers as the loop's last batches goes at once
-            (:mod:`genback.batcher`).
+            (:mod:`genback.batching.batcher`).
         row_cache_size: most next-token rows kept in the output cache (0 disables it).
         max_context_length: the window: most tokens a forward's inputs may have (None: no
-            limit; :mod:`genback.window`).
+            limit; :mod:`genback.queries.window`).
         eos_token_ids: end-of-sequence ids besides the tokenizer's (e.g. the model's generation
             config's); see :attr:`eos_token_ids`.
 
@@ -82,7 +82,7 @@ class AsyncLM:
 
     @property
     def scheduler(self):
-        """The front's scheduler (:class:`~genback.batcher.Batcher` or ``Immediate``)."""
+        """The front's scheduler (:class:`~genback.batching.batcher.Batcher` or ``Immediate``)."""
         return self.front.scheduler
 
     @property
@@ -170,16 +170,16 @@ class AsyncLM:
         return self.front.tokens(token_ids, name)
 
     def context(self, token_ids) -> Context:
-        """``token_ids`` checked, as a :class:`~genback.context.Context` to extend (``ctx +
+        """``token_ids`` checked, as a :class:`~genback.queries.context.Context` to extend (``ctx +
         [token]``) and ask with (``next_token_logprobs(ctx)``): each step checks only the ids
-        added, where a list is compared with its parent item by item (:mod:`genback.context`).
+        added, where a list is compared with its parent item by item (:mod:`genback.queries.context`).
         Raises TypeError / ValueError on bad ``token_ids`` (as :meth:`next_token_logprobs`)."""
         return self.front.checked(token_ids)[0]
 
     def next_token_logprobs(self, token_ids, lora_name=None) -> Awaitable[torch.Tensor]:
         """Log-probs of the next token after ``token_ids``, awaited; concurrent calls are batched.
         The awaitable (``gather``, ``create_task``, ``wait_for`` take it) is the query's future
-        itself on a loop with genback's batcher (:mod:`genback.query_future`), else a coroutine.
+        itself on a loop with genback's batcher (:mod:`genback.batching.futures`), else a coroutine.
 
         Args:
             token_ids: the context, a non-empty list (or 1-D int array) of ids in ``[0, V)``.
@@ -291,7 +291,7 @@ class AsyncLM:
         ``rows_cached`` and ``rows_bytes`` (the output cache), then the runner's ``stats()``
         (``forwards``, ``tokens_forwarded``; AsyncTransformer's KV tree: ``kv_bytes``,
         ``kv_nodes``, ``evictions``, ``attention``, ...; AsyncVirtualLM's:
-        :meth:`genback.runners.vllm.runner.VLLMRunner.stats`)."""
+        :meth:`genback.llm.vllm.runner.VLLMRunner.stats`)."""
         return self.front.info()
 
     @property

@@ -1,5 +1,5 @@
 """Bounded LRU cache of next-token log-prob rows, keyed by the whole query (its whole context
-and its adapter: :class:`~genback.query.NextToken`, equal by value).
+and its adapter: :class:`~genback.queries.kinds.NextToken`, equal by value).
 
 Shared by every backend: a query whose context was already answered is served from here without
 joining a batch. Keys are whole contexts, never suffixes, so two different contexts never share a
@@ -12,8 +12,8 @@ move_to_cpu=False)``, ``cache[key]`` / ``cache[key] = row`` / ``key in cache`` /
 Rows arrive as views: a step's ``log_softmax`` is one block of ``[rows, V]`` float32 (one
 kernel on a GPU: up to 128 MiB at 256 rows of a 128k vocabulary; blocks of about 1 MiB in host
 memory), and each cached row is a view of it, which keeps the whole block alive (host rows of
-the batcher arrive as :class:`genback.rows.BlockRow` s of a block of copies, which do the same:
-:mod:`genback.rows`). Rows that are
+the batcher arrive as :class:`genback.queries.rows.BlockRow` s of a block of copies, which do the same:
+:mod:`genback.queries.rows`). Rows that are
 never asked again leave the cache in the order they came, a block's rows together; a row that is
 asked again (a hit) moves to the recent end and could keep its block alive long after its
 siblings left. So a hit replaces a view by a compact copy of the row, once (one copy per hot
@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 from typing import Hashable
 
-from ..rows import compact
+from ..queries.rows import compact
 
 
 class OutputCache:
@@ -75,7 +75,7 @@ class OutputCache:
         """``row``, found under ``key``: now the most recent, counted, and compact."""
         self._rows.move_to_end(key)
         self.hits += 1
-        kept = compact(row)  # (genback.rows: a view of a block becomes a compact copy)
+        kept = compact(row)  # (genback.queries.rows: a view of a block becomes a compact copy)
         if kept is not row:
             self._rows[key] = kept
         return kept

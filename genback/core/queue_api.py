@@ -2,7 +2,7 @@
 ``add_query``, ``queries``, ``batch_evaluate_queries``.
 
 genlm-backend exposes its batching queue; clients and its tests drive it by hand. genback's queue
-is the front's scheduler (:class:`~genback.batcher.Batcher`), so these hooks are thin views of it: a query
+is the front's scheduler (:class:`~genback.batching.batcher.Batcher`), so these hooks are thin views of it: a query
 added here joins the same pending batch as ``await next_token_logprobs`` (same row cache, same
 dispatch rules), and ``reset_async_queries`` / ``aclose`` fail it like any other.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..rows import own
+from ..queries.rows import own
 
 
 class QueueAPI:
@@ -59,7 +59,7 @@ class QueueAPI:
         inner.add_done_callback(relay)
 
     def pending(self) -> list:
-        """The queries (:class:`~genback.query.Query`) waiting in the running loop's pending
+        """The queries (:class:`~genback.queries.kinds.Query`) waiting in the running loop's pending
         batch; ``[]`` outside a running loop."""
         try:
             loop = asyncio.get_running_loop()

@@ -12,7 +12,7 @@ log-likelihoods equal ``HFLM``'s on the same model:
 * an empty context is replaced by the *prefix token*: BOS, or EOS when there is no BOS;
 * a rolling (perplexity) text is scored in disjoint windows of at most ``max_length`` predicted
   tokens, the first conditioned on the prefix token; the window rules (truncation and rolling
-  windows) live in :mod:`genback.window`, shared with ``AsyncLM``.
+  windows) live in :mod:`genback.queries.window`, shared with ``AsyncLM``.
 
 Evalution's own Transformers engine encodes the context and the continuation separately and
 keeps trailing whitespace on the context; both conventions give the same ids for the usual
@@ -23,7 +23,7 @@ the default) and offers Evalution's (``pair_encoding="separate"``). Requests tha
 
 from __future__ import annotations
 
-from ..window import truncate_pair
+from ..queries.window import truncate_pair
 from .checks import check_loglikelihood_request, token_ids
 
 __all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair",
@@ -97,7 +97,7 @@ def encode_loglikelihood(tokenizer, request, mode: str, window: int
 
     Token-id fields are used as given; text fields are encoded with :func:`encode_pair` (both
     texts) or on their own (one text beside ids); an empty context becomes the prefix token.
-    The pair is then cut on the left to the window (:func:`genback.window.truncate_pair`).
+    The pair is then cut on the left to the window (:func:`genback.queries.window.truncate_pair`).
 
     Raises:
         TypeError: a malformed request (:func:`.checks.check_loglikelihood_request`).

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..backends import BACKEND_NAMES, check_backend
+from ..llm.backends import BACKEND_NAMES, check_backend
 from .base import BaseEngine
 from .session import GenbackSession
 
 __all__ = ["GenbackEngine", "BACKENDS", "model_name"]
 
-#: the backend names (from the one table, :data:`genback.backends.BACKENDS`)
+#: the backend names (from the one table, :data:`genback.llm.backends.BACKENDS`)
 BACKENDS = BACKEND_NAMES
 
 
@@ -37,7 +37,7 @@ class GenbackEngine(BaseEngine):
     Args:
         backend: ``"hf"`` (``AsyncTransformer``), ``"vllm"`` (``AsyncVirtualLM``), ``"mlx"``
             (``AsyncMlxLM``) or ``"mock"`` (``MockAsyncLM``): the table
-            :data:`genback.backends.BACKENDS`; models are loaded with
+            :data:`genback.llm.backends.BACKENDS`; models are loaded with
             ``genback.llm.load_model_by_name``.
         llm_opts: keyword options for the backend's ``from_name`` (e.g. ``batch_size``,
             ``kv_budget_bytes``, ``hf_opts={"dtype": torch.bfloat16, "device_map": "cuda"}``).

@@ -3,7 +3,7 @@ streaming.
 
 Decoding consumes ``lm.generate_stream(prompt, params, ...)``, the public streaming method of
 every ``AsyncLM``. Its base form asks ``lm.choose_next(prompt + generated, pick)`` once per step:
-the token is chosen by :mod:`genback.sampling` where the logits are (on ``AsyncTransformer`` on
+the token is chosen by :mod:`genback.queries.sampling` where the logits are (on ``AsyncTransformer`` on
 the model's device, only the token and the asked-for log-probs come back), and every request in
 flight joins the same auto-batches (continuous batching: a finished request leaves, a request
 that arrives mid-way joins the next step's forward); on ``AsyncTransformer`` each step forwards
@@ -26,7 +26,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..sampling import SamplingParams
+from ..queries.sampling import SamplingParams
 from .encoding import encode_text, prefix_token_id
 from .types import GenerationOutput, GenerationRequest
 
@@ -63,7 +63,7 @@ _PARAM_KEYS = ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalt
 
 @dataclass(frozen=True, slots=True)
 class GenerationConfig:
-    """A request's checked decoding options: the :class:`~genback.sampling.SamplingParams`, the
+    """A request's checked decoding options: the :class:`~genback.queries.sampling.SamplingParams`, the
     least number of new tokens before EOS / stop ids may end it, and extra stop token ids."""
 
     params: SamplingParams

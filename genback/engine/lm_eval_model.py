@@ -144,7 +144,7 @@ class GenbackLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Total log-prob of each request's text (``req.args[0]``) in lm-eval's disjoint rolling
-        windows at the model's window (:func:`genback.window.rolling_windows`).
+        windows at the model's window (:func:`genback.queries.window.rolling_windows`).
 
         Raises:
             ValueError: a text that tokenizes to no tokens (the run stops, as with ``HFLM``).

@@ -22,7 +22,7 @@ import asyncio
 import math
 from typing import Sequence
 
-from ..window import rolling_windows
+from ..queries.window import rolling_windows
 
 __all__ = ["score", "score_rolling", "sharing_order"]
 
@@ -49,7 +49,7 @@ async def score(lm, ctx: list[int], cont: list[int]) -> tuple[float, bool]:
 
 async def score_rolling(lm, tokens: list[int], prefix: int, max_length: int) -> float:
     """Total log-prob of every token of ``tokens`` (natural log), scored in the disjoint
-    :func:`~genback.window.rolling_windows` of at most ``max_length`` inputs each; the
+    :func:`~genback.queries.window.rolling_windows` of at most ``max_length`` inputs each; the
     windows are queried concurrently.
 
     Raises:

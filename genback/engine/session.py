@@ -52,7 +52,7 @@ class GenbackSession(BaseInferenceSession):
         owns_lm: close the model (``aclose``) when the session closes.
         backend: the backend name reported by :meth:`describe_execution`.
         max_length: the window in tokens for truncation and rolling windows (the inputs of one
-            forward, see :mod:`genback.window`); default the model's ``max_context_length``,
+            forward, see :mod:`genback.queries.window`); default the model's ``max_context_length``,
             else 2048 (lm-eval's default); at most the model's.
         max_in_flight: most requests of one call in flight at once (default 256); a call's
             ``batch_size`` overrides it for that call.
@@ -190,7 +190,7 @@ class GenbackSession(BaseInferenceSession):
 
         Each request is one model query (one forward gives its log-probs and greedy flags); a
         pair longer than the window is truncated on the left as lm-eval does
-        (:func:`genback.window.truncate_pair`). Requests are sent in chunks of ``batch_size``
+        (:func:`genback.queries.window.truncate_pair`). Requests are sent in chunks of ``batch_size``
         (default ``max_in_flight``) in an order that puts shared contexts together, so requests
         sharing a context share its KV.
 
@@ -249,7 +249,7 @@ class GenbackSession(BaseInferenceSession):
         """Total log-prob of every token of each text (the text encoded with the tokenizer's
         default special tokens, the first token scored after the prefix token) in windows of at
         most ``max_length`` inputs, as lm-eval's ``loglikelihood_rolling``; ``token_count`` is
-        the number of tokens scored; windows follow :func:`genback.window.rolling_windows`.
+        the number of tokens scored; windows follow :func:`genback.queries.window.rolling_windows`.
 
         Raises:
             ValueError: ``batch_size`` is not a positive int; with ``errors="raise"``, the first

@@ -2,18 +2,18 @@
 
 Public exports only. ``AsyncLM`` is :mod:`genback.core.lm`'s; each backend's class
 (``AsyncTransformer``, ``AsyncVirtualLM``, ``AsyncMlxLM``, ``MockAsyncLM``) is imported from its
-folder ``genback.runners.<name>.model`` the first time it is asked for (:mod:`genback.backends`,
+folder ``genback.llm.<name>.model`` the first time it is asked for (:mod:`genback.llm.backends`,
 the one table), so ``from genback.llm import AsyncTransformer`` does not import vLLM's or MLX's
 facade.
 """
 
 from __future__ import annotations
 
-from ..backends import BACKEND_NAMES as _BACKENDS  # the one table of backends
-from ..backends import backend_class, class_backend
-from ..batcher import BatcherClosed
+from .backends import BACKEND_NAMES as _BACKENDS  # the one table of backends
+from .backends import backend_class, class_backend
+from ..batching.batcher import BatcherClosed
 from ..core.lm import AsyncLM
-from ..query import Query
+from ..queries.kinds import Query
 
 __all__ = [
     "AsyncLM",

@@ -1,6 +1,6 @@
 """``AsyncTokenCharacterTrie``: concurrent ``await weight_sum(ws)`` calls batched on a worker thread.
 
-Requests are batched by genback's shared :class:`~genback.batcher.Batcher` (the one every
+Requests are batched by genback's shared :class:`~genback.batching.batcher.Batcher` (the one every
 ``AsyncLM`` uses): requests made in the same event-loop iteration join one batch (up to
 ``max_batch``), computed with one ``batch_weight_*`` call per operation on the batcher's worker
 thread, so the event loop keeps running while the trie reduces (a lockstep batch, whose callers
@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from ..batcher import Batcher
+from ..batching.batcher import Batcher
 from .base import TokenCharacterTrie
 from .parallel import ParallelTokenCharacterTrie
 from .weights import as_weight_matrix

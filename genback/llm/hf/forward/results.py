@@ -1,0 +1,100 @@
+"""Results from logits: the one place of the HF runner that dispatches on the query kinds.
+
+A :class:`~genback.queries.kinds.NextToken` gets ``log_softmax`` of its position (float32 ``[V]`` on
+``row_device``, a view of a block of such rows: :func:`genback.queries.rows.log_softmax_rows`), a
+:class:`~genback.queries.kinds.Step` the :class:`~genback.queries.sampling.Choice` made on the device, a
+:class:`~genback.queries.kinds.Score` its targets' log-probs (float32 CPU ``[n]``) and with ``greedy``
+also whether each target is its position's argmax (bool CPU ``[n]``), a
+:class:`~genback.queries.kinds.Prefill` None. Only these leave the device: one transfer for all score
+outputs, one for all next-token rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ....queries.kinds import NextToken, Query, Score, Step
+from ....queries.rows import log_softmax_rows
+from ....queries.sampling import choose_rows
+from ..plan.batch import Path
+
+# target log-probs are taken in slices of this many positions: the float32 temporaries of a
+# slice (128 x 49,152 x 4 bytes = 25 MB on SmolLM2) stay in reused heap memory; slices of 1,024
+# positions (200 MB, fresh pages each time) took 3.2x longer (0.80 s vs 0.25 s for 4,663
+# positions on one CPU core, measured)
+_SLICE = 128
+
+
+def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device) -> list:
+    """The result of each query (see :mod:`genback.queries.kinds` and this module's docstring) from
+    ``logits`` ``[K, V]`` (on the model's device): the needed positions of the queries in
+    order, ``n_outputs`` each."""
+    if len(queries) == logits.shape[0] and set(map(type, queries)) == {NextToken}:
+        # every query a next-token row, one position each (an SMC or decoding step): all rows
+        return log_softmax_rows(logits, row_device)
+    rows_at, steps_at, steps, scores_at, scores = [], [], [], [], []
+    k = 0
+    for q in queries:
+        match q:
+            case NextToken():
+                rows_at.append(k)
+            case Step():
+                steps_at.append(k)
+                steps.append(q)
+            case Score():
+                scores_at.extend(range(k, k + len(q.targets)))
+                scores.append(q)
+        k += q.n_outputs
+    dev = logits.device
+    rows = iter(log_softmax_rows(logits.index_select(0, torch.tensor(rows_at, device=dev)),
+                                 row_device) if rows_at else ())
+    chosen = iter(choose_rows(logits.index_select(0, torch.tensor(steps_at, device=dev)),
+                              [q.context for q in steps], [q.pick for q in steps])
+                  if steps else ())
+    scored = iter(_scores(logits, scores_at, scores))
+    out: list = []
+    for q in queries:
+        match q:
+            case NextToken():
+                out.append(next(rows))
+            case Step():
+                out.append(next(chosen))
+            case Score():
+                out.append(next(scored))
+            case _:
+                out.append(None)
+    return out
+
+
+def _scores(logits: torch.Tensor, at: list[int], scores: list[Score]) -> list:
+    """Each :class:`~genback.queries.kinds.Score`'s result from ``logits`` ``[K, V]`` at positions
+    ``at`` (all the scores' targets in order): float32 CPU log-probs ``[n]``, with ``greedy``
+    paired with bool CPU argmax flags ``[n]``. Taken in slices of :data:`_SLICE` positions; one
+    transfer to the CPU for all."""
+    if not scores:
+        return []
+    dev = logits.device
+    greedy = any(q.greedy for q in scores)
+    idx = torch.tensor(at, device=dev)
+    tgt = torch.tensor([t for q in scores for t in q.targets], device=dev)
+    lps, flags = [], []
+    for s in range(0, len(at), _SLICE):
+        part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
+        want = tgt[s:s + _SLICE, None]
+        if greedy:  # argmax flags only when a scoring query asks (not rolling / token_logprobs)
+            flags.append(part.argmax(dim=-1) == want[:, 0])
+        # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
+        lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
+    lps = torch.cat(lps).cpu()
+    flags = torch.cat(flags).cpu() if greedy else None
+    out, b = [], 0
+    for q in scores:
+        n = len(q.targets)
+        out.append((lps[b:b + n], flags[b:b + n]) if q.greedy else lps[b:b + n])
+        b += n
+    return out
+
+
+def outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) -> list:
+    """Each output's result, paths' outputs in order (:func:`results` of their queries)."""
+    return results([o.query for p in paths for o in p.outputs], logits, row_device)

@@ -1,0 +1,64 @@
+"""The forward budget: what one forward may hold, and a query too large for one forward split
+into queries that each fit (chunked prefill, then its targets in slices)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ....queries.kinds import Prefill, Query
+from .batch import Path, query_path
+
+
+class ForwardBudget:
+    """What one forward may hold: ``max_bytes`` of working set, counted as attention scores
+    (``score_bytes`` per query position and key: float32 x heads) plus logits (``logit_bytes``
+    per output position: float32 x vocabulary)."""
+
+    def __init__(self, max_bytes: int, score_bytes: int, logit_bytes: int):
+        self.max_bytes, self.score_bytes, self.logit_bytes = max_bytes, score_bytes, logit_bytes
+
+    def working_set(self, n_new: int, length: int, n_outputs: int) -> int:
+        """Upper bound of one row's forward working set in bytes: attention scores of ``n_new``
+        queries over ``length`` keys (materialised by the masked kernels), plus the logits of
+        ``n_outputs`` positions."""
+        return n_new * length * self.score_bytes + n_outputs * self.logit_bytes
+
+    def piece_paths(self, q: Query, cached: Callable[[Query, int], int]) -> list[Path] | None:
+        """:meth:`pieces` as the paths that run them, one forward each, in order (matched when
+        each runs: the KV of the pieces before it is in the tree by then); the only output of
+        path ``k`` is piece ``k``, as ``Output(k, piece, len(piece.tokens))``.
+
+        Raises:
+            ValueError: as :meth:`pieces`.
+        """
+        pieces = self.pieces(q, cached)
+        return None if pieces is None else [query_path(p, k) for k, p in enumerate(pieces)]
+
+    def pieces(self, q: Query, cached: Callable[[Query, int], int]) -> list[Query] | None:
+        """None when ``q`` fits in one forward, else the queries that answer it in forwards
+        that each fit: KV-only prefills of its uncached context in chunks, then its targets in
+        consecutive slices (each a query over the tokens up to its slice; the KV of the earlier
+        ones is in the tree, so each forwards only its own tokens). ``cached(q, limit)``: how
+        many tokens of ``q``'s context are cached (at most ``limit``), asked only when ``q``
+        would not fit with nothing cached.
+
+        Raises:
+            ValueError: not even one output position fits in ``max_bytes``.
+        """
+        L, n_out = len(q.tokens), q.n_outputs
+        limit = self.max_bytes
+        if self.working_set(L, L, n_out) <= limit:  # fits even with nothing cached
+            return None
+        done = cached(q, L - n_out)
+        if self.working_set(L - done, L, n_out) <= limit:
+            return None
+        per_position = self.working_set(1, L, 1)
+        if per_position > limit:
+            raise ValueError(
+                f"a query of {L} tokens needs about {per_position:,} bytes for one position's "
+                f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
+        # half the limit each for a prefill chunk and a target slice, which may share a forward
+        chunk = max(1, limit // (2 * L * self.score_bytes))  # KV-only prefill: no logits
+        prefills: list[Query] = [Prefill(q.tokens[:end], q.adapter)
+                                 for end in range(done + chunk, L - n_out + 1, chunk)]
+        return prefills + q.slices(max(1, limit // (2 * per_position)))
