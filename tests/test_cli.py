@@ -59,7 +59,7 @@ VLLM_LOGS = """
 import argparse, os
 from vllm.config.logging import LoggingConfig
 from vllm.logger import configure_logging, init_logger
-from genback import cli
+from genback.cli import commands as cli
 
 log = init_logger("vllm.genback_test")
 for verbose in (False, True):  # each as a fresh process would start: nothing set yet
@@ -94,7 +94,7 @@ def test_version_prints_the_package_version():
 
 
 def test_help_is_plain_text_and_every_option_has_help_and_default():
-    from genback.cli import build_parser
+    from genback.cli.parser import build_parser
 
     parser = build_parser()
     top = run("--help")

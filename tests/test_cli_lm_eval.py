@@ -112,7 +112,8 @@ def test_without_lm_eval_the_error_names_the_extra(tmp_path):
 def test_models_and_load_name_a_missing_package(monkeypatch, tmp_path, capsys):
     import argparse
 
-    from genback import cli, registry
+    from genback import registry
+    from genback.cli import commands as cli
 
     monkeypatch.setenv("GENBACK_HOME", str(tmp_path))  # nothing converted yet
     absent = registry.EmbeddedModel(alias="absent-1m", package="genback_no_such_package_xyz",

@@ -64,7 +64,7 @@ def test_alias_resolves_every_genlm_backend_module_to_genback():
         from genlm.backend.llm.base import BatchAbandoned
         from genlm.backend.tokenization.bytes import get_byte_vocab, ByteDecoderError
         assert OutputCache is __import__("genback.core.output_cache").core.output_cache.OutputCache
-        assert BatchAbandoned is __import__("genback.batching.batcher").batcher.BatchAbandoned
+        assert BatchAbandoned is __import__("genback.batching.batcher").batching.batcher.BatchAbandoned
         assert issubclass(genback.llm.BatcherClosed, BatchAbandoned)
         assert get_byte_vocab is genback.tokenization.get_byte_vocab
         assert ByteDecoderError is genback.tokenization.ByteVocabError
