@@ -20,6 +20,12 @@ all KV lives in the runner's :class:`~..cache.kv_pool.KVPool`):
   row's new tokens from the pool into ``[R, kv_heads, P + m, dim]`` (past left-padded and
   masked, new tokens causal).
 
+On CUDA the private part runs packed instead (:mod:`.varlen`): each row's real past and new
+tokens end to end, in one variable-length causal kernel call (FlashAttention-2's in bf16/fp16,
+the memory-efficient one in fp32) with no mask and no padding, the forward's input itself packed
+(``[1, T]``); masked SDPA with grouped-query heads has no fused CUDA kernel and falls to the math
+backend (issue 66). The CPU keeps the masked fused kernel below.
+
 The function is registered with transformers' ``AttentionInterface`` as ``"genback_tree"`` and is
 active only while :func:`active` holds a batch on the calling thread (the runner switches the
 model's attention implementation to it for its own forwards, under the forward lock).

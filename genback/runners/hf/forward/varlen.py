@@ -15,7 +15,9 @@ end to end, delimited by cumulative lengths (``cu_seqlens``), causal from the bo
   (FlashAttention-2's varlen kernel; torch >= 2.1; its causal mask is bottom-right aligned since
   FlashAttention 2.1; grouped-query heads natively; bf16/fp16, compute capability >= 8.0, head
   size a multiple of 8 up to 256). Its LSE is float32 ``[heads, total_q]`` (torch 2.13's meta
-  function; a ``[rows, heads, max_q]`` LSE of older builds is read too).
+  function; a ``[rows, heads, max_q]`` LSE of older builds is read too). With one query a row
+  and grouped heads it swaps the groups into the sequence (``seqlenq_ngroups_swapped``) and
+  its LSE comes back in that order: when the LSE is needed there, the kernel below runs.
 * ``"efficient"``: ``torch.ops.aten._efficient_attention_forward`` with ``cu_seqlens_q`` /
   ``cu_seqlens_k`` and ``custom_mask_type=2`` (causal from the bottom right) for fp32 (flash
   has no fp32) and devices flash does not run on; it wants as many KV heads as query heads, so
@@ -135,6 +137,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Varlen, scal
         ValueError: an unknown ``meta.kernel``.
     """
     kernel = meta.kernel
+    if kernel == "flash" and lse and meta.max_q == 1 and q.shape[1] > k.shape[1]:
+        # (one query a row with grouped heads: FlashAttention swaps the groups into the
+        # sequence, and its LSE comes back in that order; the memory-efficient kernel's does not)
+        kernel = "efficient"
     if kernel == "flash":
         out, l = torch.ops.aten._flash_attention_forward(
             q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, 0.0, True, False,
