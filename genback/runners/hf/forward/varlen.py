@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 #: the kernel every tree forward's private part uses: None picks by device (:func:`kernel_for`);
-#: tests set ``"reference"`` to run the packed path on the CPU
+#: tests set ``"reference"`` to run the packed path on the CPU, benchmarks ``"masked"`` to run
+#: the padded, masked path (``attention._attend``) on CUDA too
 FORCE: str | None = None
 
 
@@ -47,9 +48,9 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str |
     """The varlen kernel of a tree forward's private part: ``"flash"`` (CUDA, bf16/fp16,
     compute capability >= 8.0, ``head_dim % 8 == 0`` and ``<= 256``), ``"efficient"`` (any
     other CUDA case: fp32 included), None off CUDA (the masked path of ``attention``), or
-    :data:`FORCE` when set."""
+    :data:`FORCE` when set (``"masked"``: None)."""
     if FORCE is not None:
-        return FORCE
+        return None if FORCE == "masked" else FORCE
     if device.type != "cuda":
         return None
     if (dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
