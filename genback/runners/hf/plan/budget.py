@@ -64,7 +64,7 @@ class ForwardBudget:
                 f"a query of {L} tokens needs about {per_position:,} bytes for one position's "
                 f"forward, more than max_forward_bytes={limit:,}; raise max_forward_bytes")
         # half the limit each for a prefill chunk and a target slice, which may share a forward
-        chunk = max(1, limit // (2 * (L * self.score_bytes + self.token_bytes)))  # no logits
+        chunk = max(1, limit // max(1, 2 * (L * self.score_bytes + self.token_bytes)))
         prefills: list[Query] = [Prefill(q.tokens[:end], q.adapter)
                                  for end in range(done + chunk, L - n_out + 1, chunk)]
         return prefills + q.slices(max(1, limit // (2 * per_position)))
