@@ -72,7 +72,7 @@ case "$part" in
     # files took over 150 s, most of it one CPU test). Interrupted (SIGINT), pytest still prints
     # its summary and durations.
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "${TESTS_K:-cuda or captured}" \
-      tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py \
+      tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py tests/test_varlen.py \
       tests/test_decode_rope.py tests/test_decode_level0.py tests/test_decode_projections.py \
       tests/test_collection_hold.py 2>&1 | tee -i "$out/tests.log" ;;
   norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator, its

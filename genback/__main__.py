@@ -3,7 +3,7 @@ genback lm-eval ...`` and ``accelerate launch -m genback lm-eval ...`` start).""
 
 import sys
 
-from .cli.main import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,7 +37,7 @@ from .cache.kv_pool import CachedNode, KVPool
 from .cache.kvtree import KVTree
 from .cache.picture import draw
 from .decode.step import DecodeStep
-from .forward import attention as tree_attention
+from .forward import attention as tree_attention, varlen
 from .forward.base import ForwardOut
 from .forward.dense import DenseForward
 from .forward.tree import TreeForward
@@ -47,7 +47,7 @@ from .memory import trim_host_memory
 from .options import attention_kind, check_device, check_options
 from .plan.batch import (Output, Path, group_paths, is_uniform, plan_batch, plan_step,
                          query_path)
-from .plan.budget import ForwardBudget
+from .plan.budget import forward_budget
 
 _tokens, _holder, _cached = (operator.attrgetter("tokens"), operator.attrgetter("holder"),
                              operator.attrgetter("cached"))
@@ -98,10 +98,9 @@ class HFRunner:
         self.pool = KVPool(self._probe_kv_shape())  # every cached token's KV, in slots
         self.tree = KVTree(kv_budget_bytes, self.pool)
         self.kv_token_bytes = self.pool.token_bytes
-        self.budget = ForwardBudget(
-            max_forward_bytes, 4 * getattr(model.config, "num_attention_heads", self.pool.heads),
-            4 * int(getattr(model.config, "vocab_size", 0) or 0))
         self.use_tree, self.attention = attention_kind(model, attention)
+        kernel = self.use_tree and varlen.kernel_for(self.device, self.pool.dtype, self.pool.dim)
+        self.budget = forward_budget(model.config, max_forward_bytes, kernel or None, self.pool.heads)
         if self.use_tree:
             tree_attention.register()
             self.forward = TreeForward(model, self.pool, pad_id=pad_id,
@@ -323,7 +322,7 @@ class HFRunner:
             tree.acquire(*held)
             todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
             for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
-                                     self.budget.score_bytes):
+                                     self.budget.score_bytes, self.budget):
                 out = self._forward(group, uniform)
                 if inline_hold.hold is not None:  # (no call per forward otherwise)
                     forward_issued()
@@ -395,6 +394,7 @@ class HFRunner:
         n_new = [r.n_new for r in group]
         self.forwards += out.forwards
         self.tokens_forwarded += sum(n_new)
-        self.padded_tokens_forwarded += len(group) * max(n_new)
+        self.padded_tokens_forwarded += (sum(n_new) if self.budget.packed  # (no padding)
+                                         else len(group) * max(n_new))
         self.kv_bytes_read += out.bytes_read
         return out

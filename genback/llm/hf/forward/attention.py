@@ -20,6 +20,12 @@ all KV lives in the runner's :class:`~..cache.kv_pool.KVPool`):
   row's new tokens from the pool into ``[R, kv_heads, P + m, dim]`` (past left-padded and
   masked, new tokens causal).
 
+On CUDA the private part runs packed instead (:mod:`.varlen`): each row's real past and new
+tokens end to end, in one variable-length causal kernel call (FlashAttention-2's in bf16/fp16,
+the memory-efficient one in fp32) with no mask and no padding, the forward's input itself packed
+(``[1, T]``); masked SDPA with grouped-query heads has no fused CUDA kernel and falls to the math
+backend (issue 66). The CPU keeps the masked fused kernel below.
+
 The function is registered with transformers' ``AttentionInterface`` as ``"genback_tree"`` and is
 active only while :func:`active` holds a batch on the calling thread (the runner switches the
 model's attention implementation to it for its own forwards, under the forward lock).
@@ -33,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import varlen
 
 NAME = "genback_tree"
 _local = threading.local()
@@ -75,7 +83,11 @@ class TreeBatch:
     ``out``: the ``[2, kv_heads, R * (P + m), dim]`` buffer each layer's layout is gathered
     into; ``mask``: bool ``[R, 1, m, P + m]`` (True = attend) for the private past and the new
     tokens, or None when every row attends to every column (a decode step, ``m == 1``, with
-    no row padded: no mask is built, and the attention runs without one).
+    no row padded: no mask is built, and the attention runs without one). ``varlen``: a
+    :class:`.varlen.Varlen` when the private part runs packed in a variable-length kernel (on
+    CUDA: :func:`.varlen.kernel_for`); then ``mask`` and ``index`` are None, the forward's
+    tokens are token-major (``[1, T]`` packed rows, or ``[R, 1]``) and each segment's
+    ``paths`` are the indices of its tokens.
     """
 
     segments: list[Segment]
@@ -85,6 +97,7 @@ class TreeBatch:
     P: int
     mask: torch.Tensor | None
     out: torch.Tensor | None = None
+    varlen: object = None  # a varlen.Varlen: the private part packed (CUDA), else None
     _bias: dict = field(default_factory=dict, repr=False)  # (groups, dtype) -> bias
 
     def bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
@@ -210,6 +223,8 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
     # queries grouped by KV head: [R, Hkv, G*m, D] (head h reads KV head h // G)
     qg = query.reshape(R, Hkv, G * m, D)
 
+    if batch.varlen is not None:
+        return _packed_attention(batch, layer, query, key, value, scale)
     # 1. private past + new tokens, per row (masked: left padding, causal new block)
     k, v = batch.keys_values(layer, key, value)
     if not batch.segments:  # nothing to merge: no LSE needed
@@ -242,6 +257,40 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
             lse.index_copy_(0, seg.paths, l_m)
     out = out.to(query.dtype).reshape(R, Hq, m, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(batch: TreeBatch, layer: int, query, key, value, scale: float):
+    """:func:`tree_attention` of a forward whose private part runs packed
+    (:mod:`.varlen`): query ``[B, Hq, n, D]`` with ``B * n`` the forward's real tokens, row
+    after row (``[1, Hq, T, D]`` packed, or ``[R, Hq, 1, D]``); each shared segment attended
+    by its tokens' queries in one memory-efficient call and merged by log-sum-exp."""
+    B, Hq, n, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    meta = batch.varlen
+    q = query.transpose(1, 2).reshape(B * n, Hq, D)  # token-major [N, Hq, D]
+    k, v = meta.keys_values(batch.pool, layer, key, value)
+    out, lse = varlen.attend(q, k, v, meta, scale, lse=bool(batch.segments))
+    if not batch.segments:
+        return out.view(B, n, Hq, D), None
+    out = out.float()
+    for seg in batch.segments:
+        ks, vs = seg.read(batch.pool, layer)  # [Hkv, L, D] each
+        qs = q if seg.paths is None else q.index_select(0, seg.paths)
+        N = qs.shape[0]
+        # queries grouped by KV head: [1, Hkv, N * G, D] (head h reads KV head h // G)
+        qs = qs.view(N, Hkv, G, D).transpose(0, 1).reshape(1, Hkv, N * G, D)
+        o_s, l_s = _attend(qs, ks[None], vs[None], scale, KERNEL)
+        o_s = o_s[0].view(Hkv, N, G, D).transpose(0, 1).reshape(N, Hq, D).float()
+        l_s = l_s[0].view(Hkv, N, G).transpose(0, 1).reshape(N, Hq)
+        if seg.paths is None:
+            out, lse = _merge(out, lse, o_s, l_s)
+        else:
+            o_m, l_m = _merge(out.index_select(0, seg.paths), lse.index_select(0, seg.paths),
+                              o_s, l_s)
+            out.index_copy_(0, seg.paths, o_m)
+            lse.index_copy_(0, seg.paths, l_m)
+    return out.to(query.dtype).view(B, n, Hq, D), None
 
 
 _registered: set = set()

@@ -75,6 +75,18 @@ def model_inputs(paths: list[Path], pad_id: int):
     return torch.from_numpy(ids), torch.from_numpy(positions), n_new
 
 
+def packed(input_ids: torch.Tensor, positions: torch.Tensor, n_new: list[int], spans: list):
+    """:func:`model_inputs`' right-padded ``[R, m]`` inputs as one packed row ``[1, T]`` (``T``
+    the real new tokens, row after row: no padding) and the output spans
+    (:func:`.logits.output_spans`) ``(path, first, stop)`` in it: ``(0, off + first, off +
+    stop)`` with ``off`` the path's first packed token."""
+    R, m = input_ids.shape
+    real = torch.from_numpy(np.arange(m)[None, :] < np.asarray(n_new)[:, None])
+    offsets = np.cumsum(n_new) - np.asarray(n_new)
+    spans = [(0, int(offsets[i]) + a, int(offsets[i]) + b) for i, a, b in spans]
+    return input_ids[real][None], positions[real][None], spans
+
+
 def new_slots(pool: KVPool, n_new: list[int], m: int) -> np.ndarray:
     """``int64 [R, m]``: fresh pool slots for each path's new tokens (row-major), the dummy slot
     0 in its right padding (a padded position's KV is written there and never read unmasked)."""

@@ -20,8 +20,8 @@ from ..plan.batch import Path
 from ..plan.anchors import Anchors
 from ..plan.lanes import Lanes
 from ..plan.segments import split_segments
-from . import attention
-from .base import ForwardOut, as_long, model_inputs, new_slots, split_new_slots
+from . import attention, varlen
+from .base import ForwardOut, as_long, model_inputs, new_slots, packed, split_new_slots
 from .logits import output_spans, run_model
 from .results import outputs
 from .tree_cache import TreeCache
@@ -58,6 +58,10 @@ class TreeForward:
         pool = self.pool
         input_ids, positions, n_new = model_inputs(paths, self.pad_id)
         R, m = input_ids.shape
+        spans = None if uniform else output_spans(paths)
+        if m > 1 and varlen.kernel_for(pool.device, pool.dtype, pool.dim) is not None:
+            # rows packed end to end, no padding (the private part's kernel takes them so)
+            input_ids, positions, spans = packed(input_ids, positions, n_new, spans)
         last, self.lanes = self.lanes, None  # (dropped: a failed forward leaves none)
         rows = last.rows(paths, pool.frees) if uniform and last is not None else None
         if rows is None:
@@ -74,8 +78,7 @@ class TreeForward:
                 self.lane_steps += 1
             batch = _tree_batch(pool, shared, layout, pads, slots, R, m, self._segments)
             with attention.active(batch), attention.use_tree_attention(self.model.config):
-                _, logits = run_model(self.model, input_ids, positions,
-                                      None if uniform else output_spans(paths),
+                _, logits = run_model(self.model, input_ids, positions, spans,
                                       TreeCache(batch), device=pool.device)
         except BaseException:
             pool.free(slots[slots > 0])
@@ -117,6 +120,9 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
     dev = pool.device
     cpu = dev.type == "cpu"  # (there a host tensor needs no .to: a dispatch that changes nothing)
     P = layout.shape[1] - m
+    kernel = varlen.kernel_for(dev, pool.dtype, pool.dim)
+    if kernel is not None:
+        return _varlen_batch(kernel, pool, shared, layout, pads, slots, R, m, known)
     # built in NumPy, one tensor at the end (a torch op on small tensors costs several times a
     # NumPy one on the host): each row's left padding of the private past masked (columns <
     # pad), the new tokens causal
@@ -134,6 +140,19 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
         index = torch.from_numpy(layout.ravel())
         index = index if cpu else index.to(dev)
         out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype, device=dev)
+    segments = _segments(pool, shared, R, known)
+    slots = torch.from_numpy(slots.ravel())
+    mask = None if mask is None else torch.from_numpy(mask)
+    if not cpu:
+        slots, mask = slots.to(dev), None if mask is None else mask.to(dev)
+    return attention.TreeBatch(segments, pool, slots, index, P, mask, out)
+
+
+def _segments(pool: KVPool, shared: list, R: int, known: dict | None, tokens=None) -> list:
+    """The :class:`.attention.Segment` s of ``shared`` (see :func:`_tree_batch`); ``tokens``:
+    ``(first, counts)`` int64 ``[R]`` each row's first token and token count when the forward's
+    tokens are packed (a segment's ``paths`` are then its rows' tokens)."""
+    dev = pool.device
     segments = []
     known = {} if known is None else known
     for seg_slots, idx in shared:
@@ -142,11 +161,30 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
             start = run_start(seg_slots)
             hit = known[id(seg_slots)] = (seg_slots, start, None if start >= 0 else
                                           torch.from_numpy(seg_slots).to(dev))
+        rows = None
+        if len(idx) != R:
+            rows = np.asarray(idx, dtype=np.int64)
+            if tokens is not None:  # each row's tokens: first[r] .. first[r] + counts[r] - 1
+                first, counts = tokens[0][rows], tokens[1][rows]
+                rows = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(
+                    int(counts.sum()))
         segments.append(attention.Segment(
-            hit[1], hit[2], len(seg_slots), None if len(idx) == R else as_long(idx, dev),
-            len(idx)))
-    slots = torch.from_numpy(slots.ravel())
-    mask = None if mask is None else torch.from_numpy(mask)
-    if not cpu:
-        slots, mask = slots.to(dev), None if mask is None else mask.to(dev)
-    return attention.TreeBatch(segments, pool, slots, index, P, mask, out)
+            hit[1], hit[2], len(seg_slots), None if rows is None else as_long(rows, dev),
+            len(idx) if rows is None else len(rows)))
+    return segments
+
+
+def _varlen_batch(kernel: str, pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
+                  known: dict | None) -> attention.TreeBatch:
+    """:func:`_tree_batch` of a forward whose private part runs packed in varlen ``kernel``
+    (:mod:`.varlen`): no mask, no padded layout; the new tokens' slots without the padding
+    (the model's input is packed when ``m > 1``: :func:`.base.packed`)."""
+    n_new = np.count_nonzero(slots, axis=1) if m > 1 else np.ones(R, dtype=np.int64)
+    meta = varlen.Varlen.of(kernel, layout, pads, n_new, m, pool.device)
+    first = np.cumsum(n_new) - n_new
+    segments = _segments(pool, shared, R, known, (first, n_new) if m > 1 else None)
+    new = torch.from_numpy(slots[slots > 0] if m > 1 else slots.ravel())
+    if pool.device.type != "cpu":
+        new = new.to(pool.device)
+    return attention.TreeBatch(segments, pool, new, None, layout.shape[1] - m, None, None,
+                               varlen=meta)

@@ -258,8 +258,13 @@ FORWARD_COST_TOKENS = 32
 
 
 def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
-                score_bytes_per_key: int) -> list[list[Path]]:
+                score_bytes_per_key: int, budget=None) -> list[list[Path]]:
     """Split paths into forwards.
+
+    With a packed ``budget`` (:class:`.budget.ForwardBudget`, ``packed``: rows laid end to end
+    with no padding, attention that materialises no scores: CUDA's varlen kernels), forwards
+    are filled in order up to ``max_tokens`` real tokens and ``max_bytes`` of
+    :meth:`~.budget.ForwardBudget.working_set` (:func:`_packed_groups`). Otherwise:
 
     Paths are sorted by new-token count (longest first); a forward grows while its right padding
     stays within ``max(FORWARD_COST_TOKENS, padded tokens / 16)`` (a forward costs about that
@@ -270,6 +275,8 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
     (it is forwarded alone). Decode steps (one new token each) share one forward up to the
     limits, however long their contexts.
     """
+    if budget is not None and budget.packed:
+        return _packed_groups(paths, max_tokens, budget)
     order = sorted(paths, key=_n_new, reverse=True)
     # the whole batch in one forward when it fits (a decode step, mostly): the loop below
     # would make the same single group (its padding and byte tests only grow with the group)
@@ -301,6 +308,28 @@ def group_paths(paths: list[Path], max_tokens: int, max_bytes: int,
         group.append(r)
         real += m
         past = max(past, r.cached)
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _packed_groups(paths: list[Path], max_tokens: int, budget) -> list[list[Path]]:
+    """Forwards of packed rows (no padding): paths in order, a forward closed when the next
+    path's tokens would pass ``max_tokens`` or its working set (scores of each row's new
+    tokens over its keys, activations, logits: ``budget.working_set``) ``budget.max_bytes``;
+    a path over either limit alone is forwarded alone."""
+    groups: list[list[Path]] = []
+    group: list[Path] = []
+    tokens = size = 0
+    for p in paths:
+        m = p.n_new
+        cost = budget.working_set(m, p.cached + m, sum(o.query.n_outputs for o in p.outputs))
+        if group and (tokens + m > max_tokens or size + cost > budget.max_bytes):
+            groups.append(group)
+            group, tokens, size = [], 0, 0
+        group.append(p)
+        tokens += m
+        size += cost
     if group:
         groups.append(group)
     return groups
