@@ -62,8 +62,11 @@ class FusedNorms:
         self.count = len(self.modules)
         self.compiled = compiled
         self._norm = None
-        if self.count:
-            self._norm = torch.compile(rms_norm, dynamic=None) if compiled else rms_norm_op
+        if self.count and compiled:  # (one compiled function per process: .compiled's)
+            from .compiled import compiled as compiled_function
+            self._norm = compiled_function("rms_norm")
+        elif self.count:
+            self._norm = rms_norm_op
 
     def __enter__(self) -> "FusedNorms":
         fn = self._norm

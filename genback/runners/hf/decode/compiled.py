@@ -1,0 +1,146 @@
+"""The decode step's per-layer glue compiled: ``DecodeStep.compile`` (off by default).
+
+Around its matrix products, a captured decode step on a GPU runs many small kernels
+(``benchmarks/RESULTS.md``, "Issue 38, part 1 on an H200 (session 61)": on the 8B Llama shape at
+16 rows ~750 of them, 2.4 ms of a 7.1 ms step; the products themselves near the bandwidth): each
+layer's residual additions, its RMSNorms, the MLP's activation and product, RoPE's products
+and sums, the cascade's log-sum-exp merge. With ``compile`` each of these runs as one function
+compiled by ``torch.compile`` (inductor fuses it into one kernel, or a few), and each is compiled
+once for every layer (the layers' weights are its inputs, their shapes alike; ``dynamic=None``:
+a bucket of other row counts compiles it once more with dynamic sizes, not once per bucket),
+``fullgraph=True`` (no graph break: ``tests/test_decode_compiled.py``):
+
+* :func:`add_rms_norm`: a layer's residual addition after attention and the MLP's input norm,
+  one kernel where transformers runs 9 (``norm_op``'s operator: 3);
+* :func:`.fused.rms_norm`: the layer's input norm and the model's last (:class:`.fused.FusedNorms`);
+* :func:`silu_mul`: the MLP's ``silu(gate) * up``, one kernel for two;
+* :func:`rotate`: RoPE on the query and key heads of the fused projection's product, in place
+  (:mod:`.rope`'s joint rotation), one or two kernels for four;
+* :func:`.cascade.merge_levels`: the cascade's merge (``_compiled_merge``).
+
+:class:`CompiledLayers` swaps a forward of that form in for each decoder layer and MLP whose
+class computes what Llama's does (their ``forward`` the same code as transformers'
+``LlamaDecoderLayer`` and ``LlamaMLP``, their norms in :data:`.fused.NORMS`, the activation SiLU,
+no hooks on the norms or the activation) while the decode step runs its forward, and puts the
+model's own back after each (as :class:`.fused.FusedNorms` does). Its submodules' own forwards
+(attention, projections) are called as before.
+
+The compiled code computes the same function with one rounding where the eager code rounds each
+operator's result to the model's dtype (inductor keeps a fused kernel's intermediates in
+float32): in float32 the rows equal the eager step's within float32's rounding (an uncached
+forward within 1e-4), in bf16 within the captured graph's check (:data:`.graphs.TOLERANCE`).
+
+Compilation happens in a bucket's first (eager) forward and the capture's warm-up, never
+during a capture (:mod:`.graphs` runs the step eagerly before capturing it).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.llama import modeling_llama
+
+from .fused import NORMS, rms_norm
+from .rope import _same_code
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x`` and :func:`.fused.rms_norm` of ``h``: ``(h, norm(h))``, both of
+    ``x``'s shape ``[..., H]`` and dtype (``weight`` ``[H]`` of the same dtype)."""
+    h = residual + x
+    return h, rms_norm(h, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (the gated MLP's hidden state, Shazeer 2020, "GLU variants"), of
+    their shape and dtype."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shift: int) -> torch.Tensor:
+    """RoPE's half-split rotation written as :mod:`.rope` computes it: ``qk * cos +
+    roll(qk, shift) * sin`` over the last axis (``sin`` signed, :func:`.rope._signed`); the
+    broadcast of ``qk`` ``[B, H, T, D]`` (or ``[B, T, H, D]``) with ``cos``, ``sin``."""
+    return qk * cos + qk.roll(shift, -1) * sin
+
+
+def _compile(fn):
+    return torch.compile(fn, fullgraph=True, dynamic=None)
+
+
+_COMPILED: dict[str, object] = {}  # name -> the compiled function (one per process)
+
+
+def compiled(name: str):
+    """The compiled form of this module's function ``name`` (``"add_rms_norm"``,
+    ``"silu_mul"``, ``"rotate"``, ``"rms_norm"``): made once per process, reused by every layer
+    and model (inductor compiles it at its first calls per shape, see the module's doc)."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        fn = _COMPILED[name] = _compile(rms_norm if name == "rms_norm" else globals()[name])
+    return fn
+
+
+def _plain_norm(m) -> bool:
+    return (type(m).__name__ in NORMS and "forward" not in vars(m) and not m._forward_hooks
+            and not m._forward_pre_hooks and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and isinstance(getattr(m, "variance_epsilon", None), float))
+
+
+def _silu(act) -> bool:
+    return (type(act) in (torch.nn.SiLU, type(modeling_llama.ACT2FN["silu"]))
+            and "forward" not in vars(act) and not act._forward_hooks
+            and not act._forward_pre_hooks)
+
+
+class CompiledLayers:
+    """The decoder layers and MLPs of ``model`` whose glue :func:`compiled` functions replace
+    (see the module's doc), and ``with layers:`` to run one forward with them. ``layers``,
+    ``mlps``: how many are swapped (0 and 0: the context does nothing)."""
+
+    def __init__(self, model: torch.nn.Module):
+        layer_forward = modeling_llama.LlamaDecoderLayer.forward
+        mlp_forward = modeling_llama.LlamaMLP.forward
+        self._layers, self._mlps = [], []
+        for m in model.modules():
+            if "forward" in vars(m):
+                continue
+            if (_same_code(type(m).forward, layer_forward)
+                    and _plain_norm(getattr(m, "input_layernorm", None))
+                    and _plain_norm(getattr(m, "post_attention_layernorm", None))):
+                self._layers.append(m)
+            elif _same_code(type(m).forward, mlp_forward) and _silu(getattr(m, "act_fn", None)):
+                self._mlps.append(m)
+        self.layers, self.mlps = len(self._layers), len(self._mlps)
+
+    def __enter__(self) -> "CompiledLayers":
+        norm, add_norm, mul = compiled("rms_norm"), compiled("add_rms_norm"), compiled("silu_mul")
+        for m in self._layers:
+            m.forward = _layer_forward(m, norm, add_norm)
+        for m in self._mlps:
+            m.forward = (lambda m: lambda x: m.down_proj(mul(m.gate_proj(x), m.up_proj(x))))(m)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self._layers + self._mlps:
+            vars(m).pop("forward", None)
+
+
+def _layer_forward(layer, norm, add_norm):
+    """``LlamaDecoderLayer.forward`` of ``layer`` with its norms and its residual addition after
+    attention compiled (the same arguments, the same result)."""
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+
+    def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        h = norm(hidden_states, ln1.weight, ln1.variance_epsilon)
+        h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask,
+                               position_ids=position_ids, past_key_values=past_key_values,
+                               use_cache=use_cache, position_embeddings=position_embeddings,
+                               **kwargs)
+        residual, h = add_norm(h, hidden_states, ln2.weight, ln2.variance_epsilon)
+        return residual + layer.mlp(h)
+    return forward
+
+
+__all__ = ["CompiledLayers", "add_rms_norm", "compiled", "rotate", "silu_mul"]
