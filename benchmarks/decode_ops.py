@@ -14,7 +14,8 @@ Each row: the options, operators a step (a CUDA kernel each, roughly: a matrix p
 a split-K reduction), and the matrix products, products, sums and rolls among them. With
 ``--compile`` a last row has CUDA's defaults and ``compile`` (``decode/compiled.py``): a call of
 a compiled function counts as the kernels its generated code launches (inductor's C++ on this
-CPU: a GPU's Triton code may fuse differently), under ``compiled`` (a dispatch mode cannot see inside).
+CPU: a GPU's Triton code may fuse differently), under ``compiled`` (a dispatch mode cannot see
+inside).
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ Compiling takes seconds on the CPU (inductor's C++): a 2-layer model only."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
@@ -51,15 +50,16 @@ def _entries(fn) -> int:
 def test_each_compiled_function_is_one_graph_for_all_rows_and_equals_its_eager_form():
     """Each function compiles with ``fullgraph=True`` (a graph break would raise), to at most
     two graphs over four row counts (a static one, then one with dynamic sizes: not one per
-    bucket), and computes its eager form's values: float32 within its rounding, bf16 within a
-    bf16 unit (the compiled kernel rounds once where the eager code rounds each operator)."""
+    bucket; one more for bf16), and computes its eager form's values: float32 within its
+    rounding, bf16 within a bf16 unit (the compiled kernel rounds once where the eager code rounds each operator)."""
     with torch.inference_mode():
         for name in NAMES:
             fn = compiled.compiled(name)
             before = _entries(EAGER[name])  # (other tests' shapes may have compiled it)
             assert fn is compiled.compiled(name)  # (one per process)
-            for dtype, unit in ((torch.float32, 1e-6), (torch.bfloat16, 2 ** -7)):
-                for rows in (1, 4, 16, 64):
+            for dtype, unit, counts in ((torch.float32, 1e-6, (1, 4, 16, 64)),
+                                        (torch.bfloat16, 2 ** -7, (16,))):
+                for rows in counts:
                     args = _inputs(name, rows, dtype)
                     got, want = fn(*args), EAGER[name](*args)
                     for a, b in zip(*((got, want) if isinstance(got, tuple)
@@ -67,7 +67,7 @@ def test_each_compiled_function_is_one_graph_for_all_rows_and_equals_its_eager_f
                         assert a.dtype == b.dtype == dtype and a.shape == b.shape
                         scale = max(1.0, float(b.float().abs().max()))
                         assert float((a.float() - b.float()).abs().max()) <= 2 * unit * scale
-            assert _entries(EAGER[name]) - before <= 4, name  # (2 a dtype)
+            assert _entries(EAGER[name]) - before <= 3, name
 
 
 def _counted(monkeypatch) -> dict:

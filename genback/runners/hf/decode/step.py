@@ -64,9 +64,9 @@ from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.lanes import REFRESH, Lanes
 from ..plan.segments import split_segments
+from . import compiled as glue
 from .cascade import (FLASH0_MIN_WORK, DecodeBuffers, StepLayout, decode_attention,
                       flash_level0_pays)
-from . import compiled as glue
 from .fused import FusedNorms
 from .graphs import StepGraphs
 from .level0 import KeptPrefixes
@@ -199,8 +199,7 @@ class DecodeStep:
         self.level0 = KeptPrefixes(pool)
         self.fused = self.compile = False
         self._layers: glue.CompiledLayers | None = None
-        self._norms: FusedNorms | None = None
-        self._rope: RopeOp | None = None
+        self._norms, self._rope = None, None  # (FusedNorms, RopeOp: made at the first forward)
         self._projections: FusedProjections | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
@@ -378,7 +377,8 @@ class DecodeStep:
         model = self.model
         compiled = self.fused or self.compile  # (the compiled norm)
         if (compiled or self.norm_op) and (self._norms is None or self._norms.compiled != compiled):
-            self._norms = FusedNorms(model, compiled=compiled)
+            norm = glue.compiled("rms_norm") if compiled else None  # (one for all: .compiled)
+            self._norms = FusedNorms(model, compiled, norm)
         norms = self._norms if compiled or self.norm_op else contextlib.nullcontext()
         rotate = glue.compiled("rotate") if self.compile else None
         if self.rope_op and (self._rope is None or self._rope.rotate is not rotate):
