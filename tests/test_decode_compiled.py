@@ -135,6 +135,31 @@ def test_compiled_step_answers_as_the_uncompiled_step_and_leaves_the_model_as_it
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+def test_qwen3_compiled_answers_as_uncached(gpt2_tok):
+    """Qwen3 (its layers' and MLPs' forwards are Llama's code; a norm on the query's and key's
+    heads, its own head size): an SMC run through the eager decode step with ``compile``, every
+    layer and MLP swapped, the last step's rows within 1e-4 of an uncached forward."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(gpt2_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096)).eval()
+    trace = _smc_trace(random.Random(5), 40, 8, 4, 2, 400)
+    lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0, decode="eager")
+    try:
+        rows = _smc(lm, trace, True)
+        layers = lm.runner.decode_step._layers
+        assert lm.cache_info()["decode_steps"] == len(trace)
+        assert layers.layers == 2 and layers.mlps == 2
+        for j in range(len(trace[-1])):
+            ref = lm.next_token_logprobs_uncached(trace[-1][j])
+            assert float((rows[-1][j] - ref).abs().max()) <= 1e-4
+    finally:
+        lm.close()
+
+
 def test_what_does_not_compute_llamas_glue_keeps_its_own(gpt2_tok):
     """A layer whose norm has a hook, and an MLP whose activation is not SiLU, are not swapped;
     the rest are."""

@@ -81,6 +81,18 @@ def compiled(name: str):
     return fn
 
 
+# the names and arguments of transformers' Llama forwards that :class:`CompiledLayers`' own
+# forwards reproduce (5.17 to 5.19): a release that changes them leaves the model's own in place
+LAYER_CODE = (("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
+              ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
+               "use_cache", "position_embeddings", "kwargs", "residual", "_"))
+MLP_CODE = (("down_proj", "act_fn", "gate_proj", "up_proj"), ("self", "x", "down_proj"))
+
+
+def _known(fn, code: tuple) -> bool:
+    return (fn.__code__.co_names, fn.__code__.co_varnames) == code
+
+
 def _plain_norm(m) -> bool:
     return (type(m).__name__ in NORMS and "forward" not in vars(m) and not m._forward_hooks
             and not m._forward_pre_hooks and isinstance(getattr(m, "weight", None), torch.Tensor)
@@ -102,14 +114,16 @@ class CompiledLayers:
         layer_forward = modeling_llama.LlamaDecoderLayer.forward
         mlp_forward = modeling_llama.LlamaMLP.forward
         self._layers, self._mlps = [], []
+        known = _known(layer_forward, LAYER_CODE), _known(mlp_forward, MLP_CODE)
         for m in model.modules():
             if "forward" in vars(m):
                 continue
-            if (_same_code(type(m).forward, layer_forward)
+            if (known[0] and _same_code(type(m).forward, layer_forward)
                     and _plain_norm(getattr(m, "input_layernorm", None))
                     and _plain_norm(getattr(m, "post_attention_layernorm", None))):
                 self._layers.append(m)
-            elif _same_code(type(m).forward, mlp_forward) and _silu(getattr(m, "act_fn", None)):
+            elif (known[1] and _same_code(type(m).forward, mlp_forward)
+                  and _silu(getattr(m, "act_fn", None))):
                 self._mlps.append(m)
         self.layers, self.mlps = len(self._layers), len(self._mlps)
 
