@@ -118,7 +118,10 @@ def test_compiled_step_answers_as_the_uncompiled_step_and_leaves_the_model_as_it
             layers = lm.runner.decode_step._layers
             if mode:
                 assert layers.layers == 2 and layers.mlps == 2
-            want = dict.fromkeys(NAMES, 2 * steps) | {"rms_norm": 3 * steps,
+            # (the first layer's input norm and the last; the second layer's input norm with
+            # the first's last residual addition)
+            want = dict.fromkeys(NAMES, 2 * steps) | {"rms_norm": 2 * steps,
+                                                      "add_rms_norm": 3 * steps,
                                                       "merge": 2 * steps}
             assert calls == (want if mode else dict.fromkeys(calls, 0)), mode
             for j in (0, len(trace[-1]) - 1):
@@ -169,6 +172,10 @@ def test_what_does_not_compute_llamas_glue_keeps_its_own(gpt2_tok):
     second.mlp.act_fn = torch.nn.GELU()
     layers = compiled.CompiledLayers(model)
     assert layers._layers == [second] and layers._mlps == [first.mlp]
+    assert layers._next == [None]  # (the last layer computes no next norm)
+    model = _llama(len(gpt2_tok), "cpu", torch.float32)  # (a hook between two layers: each
+    model.model.layers[0].register_forward_hook(lambda *a: None)  # layer its own input norm)
+    assert compiled.CompiledLayers(model)._next == [None, None]
 
 
 @CUDA

@@ -11,8 +11,10 @@ a bucket of other row counts compiles it once more with dynamic sizes, not once 
 ``fullgraph=True`` (no graph break: ``tests/test_decode_compiled.py``):
 
 * :func:`add_rms_norm`: a layer's residual addition after attention and the MLP's input norm,
-  one kernel where transformers runs 9 (``norm_op``'s operator: 3);
-* :func:`.fused.rms_norm`: the layer's input norm and the model's last (:class:`.fused.FusedNorms`);
+  one kernel where transformers runs 9 (``norm_op``'s operator: 3); and its residual addition
+  after the MLP with the next layer's input norm (computed by the layer, used by the next);
+* :func:`.fused.rms_norm`: the first layer's input norm and the model's last
+  (:class:`.fused.FusedNorms`);
 * :func:`silu_mul`: the MLP's ``silu(gate) * up``, one kernel for two;
 * :func:`rotate`: RoPE on the query and key heads of the fused projection's product, in place
   (:mod:`.rope`'s joint rotation), one or two kernels for four;
@@ -126,34 +128,52 @@ class CompiledLayers:
                   and _silu(getattr(m, "act_fn", None))):
                 self._mlps.append(m)
         self.layers, self.mlps = len(self._layers), len(self._mlps)
+        # each layer's next one in the list, whose input norm it computes with its last residual
+        # addition (None: the last, or hooks that could see or change the tensor in between)
+        self._next = [b if not a._forward_hooks and not b._forward_pre_hooks else None
+                      for a, b in zip(self._layers, self._layers[1:])] + [None][:self.layers]
+        self._stash: list = [None]  # (the sum a layer returned, the weight, its norm)
 
     def __enter__(self) -> "CompiledLayers":
         norm, add_norm, mul = compiled("rms_norm"), compiled("add_rms_norm"), compiled("silu_mul")
-        for m in self._layers:
-            m.forward = _layer_forward(m, norm, add_norm)
+        self._stash[0] = None
+        for m, nxt in zip(self._layers, self._next):
+            m.forward = _layer_forward(m, nxt, norm, add_norm, self._stash)
         for m in self._mlps:
             m.forward = (lambda m: lambda x: m.down_proj(mul(m.gate_proj(x), m.up_proj(x))))(m)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._stash[0] = None  # (no tensor of a forward kept)
         for m in self._layers + self._mlps:
             vars(m).pop("forward", None)
 
 
-def _layer_forward(layer, norm, add_norm):
-    """``LlamaDecoderLayer.forward`` of ``layer`` with its norms and its residual addition after
-    attention compiled (the same arguments, the same result)."""
+def _layer_forward(layer, nxt, norm, add_norm, stash: list):
+    """``LlamaDecoderLayer.forward`` of ``layer`` with its norms and residual additions compiled
+    (the same arguments, the same result). With a next layer ``nxt``, the last addition also
+    computes ``nxt``'s input norm of the sum (one kernel), kept in ``stash``: ``nxt`` uses it when
+    called on that very tensor, else computes its own."""
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    ln_next = None if nxt is None else nxt.input_layernorm
 
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
-        h = norm(hidden_states, ln1.weight, ln1.variance_epsilon)
+        last, stash[0] = stash[0], None
+        if last is not None and last[0] is hidden_states and last[1] is ln1.weight:
+            h = last[2]
+        else:
+            h = norm(hidden_states, ln1.weight, ln1.variance_epsilon)
         h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask,
                                position_ids=position_ids, past_key_values=past_key_values,
                                use_cache=use_cache, position_embeddings=position_embeddings,
                                **kwargs)
         residual, h = add_norm(h, hidden_states, ln2.weight, ln2.variance_epsilon)
-        return residual + layer.mlp(h)
+        if ln_next is None:
+            return residual + layer.mlp(h)
+        out, h = add_norm(layer.mlp(h), residual, ln_next.weight, ln_next.variance_epsilon)
+        stash[0] = (out, ln_next.weight, h)
+        return out
     return forward
 
 
