@@ -126,6 +126,7 @@ STEP_OPTIONS = {
     "-dense": ("min_prefix", sys.maxsize),  # the decode step without level 0 (the crossover)
     "-cascade": ("level0_min_tokens", 0),  # level 0 whenever rows share a token (the crossover)
     "-fused": ("fused", True),  # norms and the cascade's merge compiled
+    "-compiled": ("compile", True),  # -fused and each layer's glue compiled (decode/compiled.py)
     "-normop": ("norm_op", True),  # norms through torch's rms_norm operator (CUDA's default)
     "-modelnorm": ("norm_op", False),  # the model's own norms (the default elsewhere)
     "-ropeop": ("rope_op", True),  # RoPE through decode/rope.py (CUDA's default)
@@ -440,7 +441,9 @@ def parse(argv):
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
                          "256 keys (DecodeStep.flash_level0; -noflash0: never; default: on "
                          "CUDA by its size); -fused compiles the RMSNorms and "
-                         "the cascade's merge (DecodeStep.fused); -normop / -modelnorm run "
+                         "the cascade's merge (DecodeStep.fused); -compiled compiles those and "
+                         "each layer's residual, MLP and RoPE glue (DecodeStep.compile); "
+                         "-normop / -modelnorm run "
                          "the norms through torch's rms_norm operator / the model's own "
                          "(DecodeStep.norm_op: on by default on CUDA); -ropeop / -modelrope "
                          "run the rotary embeddings through decode/rope.py / the model's own "

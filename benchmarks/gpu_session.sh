@@ -21,10 +21,12 @@
 #   bash benchmarks/gpu_session.sh cold      # a step's host operations right after a forward on
 #                                            # the GPU (and on this host's CPU) vs back to back
 #   bash benchmarks/gpu_session.sh phases    # 256-row steps' host parts before the launch
+#   bash benchmarks/gpu_session.sh compiled  # the compiled glue (auto-compiled) beside auto, and
+#                                            # the operators a step (carry [".whl"], ~4 min)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | norms | 8b | 1b | trie | cascade | long | cold | phases"}
+part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -74,7 +76,7 @@ case "$part" in
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "${TESTS_K:-cuda or captured}" \
       tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py tests/test_varlen.py \
       tests/test_decode_rope.py tests/test_decode_level0.py tests/test_decode_projections.py \
-      tests/test_collection_hold.py 2>&1 | tee -i "$out/tests.log" ;;
+      tests/test_collection_hold.py tests/test_decode_compiled.py 2>&1 | tee -i "$out/tests.log" ;;
   norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator, its
     # RoPE through decode/rope.py's) and the RoPE's own
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured or rope" \
@@ -82,6 +84,13 @@ case "$part" in
       | tee -i "$out/norms.log" ;;
   8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-gcnow,auto/context,auto-gcnow/context}" ;;  # (young collections held until the launch (session 61) against wherever they fall; -splitproj, -gather0, -capture1 measured in session 61, -modelrope, -noflash0 in 59, -flash0, -fused in 57)
   1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-gcnow,auto/context,off}" ;;  # (host-bound: context objects)
+  compiled)  # the decode step's glue compiled (issue 67, part 2; DecodeStep.compile) against
+    # today's defaults, side by side, then the operators a step with and without (decode_ops.py,
+    # counted on this host's CPU); ~4 min on an H200
+    WHICH=new cells llama-3.1-8b 16 1000 "${MODES:-auto,auto-compiled}"
+    WHICH=new cells llama-3.2-1b 64,256 1000 "${MODES:-auto,auto-compiled}"
+    python3 benchmarks/decode_ops.py --shape llama-3.1-8b --compile --defaults-only 2>&1 \
+      | tee "$out/decode-ops.log" ;;
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \
       --repeat 20 --profile --json "$out/trie.json" 2>&1 | tee "$out/trie.log" ;;
@@ -113,5 +122,5 @@ case "$part" in
       python3 benchmarks/lab/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
         | tee -a "$out/cold.log"
     done ;;
-  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases)" >&2; exit 2 ;;
+  *) echo "unknown part $part (tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases)" >&2; exit 2 ;;
 esac

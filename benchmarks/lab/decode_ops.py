@@ -11,7 +11,11 @@ over 8 KV heads) or ``llama-3.2-1b`` (16 layers, 32 over 8).
     python benchmarks/decode_ops.py --shape llama-3.1-8b
 
 Each row: the options, operators a step (a CUDA kernel each, roughly: a matrix product may add
-a split-K reduction), and the matrix products, products, sums and rolls among them.
+a split-K reduction), and the matrix products, products, sums and rolls among them. With
+``--compile`` a last row has CUDA's defaults and ``compile`` (``decode/compiled.py``): a call of
+a compiled function counts as the kernels its generated code launches (inductor's C++ on this
+CPU: a GPU's Triton code may fuse differently), under ``compiled`` (a dispatch mode cannot see
+inside).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -47,10 +52,58 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_KERNELS: dict[str, int] = {}  # compiled function -> kernels its code launches (last compile)
+_ACTIVE: list = []  # the counting mode now entered
+
+
+# a kernel's launch in inductor's generated ``call``: its own (C++ or Triton) or an operator's
+_LAUNCH = re.compile(r"^\s+(cpp_fused_\w+\(|triton_\w+\.run\(|extern_kernels\.\w+\("
+                     r"|aten\.\w+(\.\w+)?\(|torch\.ops\.aten\.\w+(\.\w+)?\()")
+
+
+def _launches(code: str) -> int:
+    """Kernel launches in the ``call`` function of inductor's generated module ``code``."""
+    body = code[code.find("def call("):]
+    return sum(1 for line in body.splitlines() if _LAUNCH.match(line)
+               and "empty_strided" not in line and "reinterpret_tensor" not in line)
+
+
+def _counting(name: str, fn):
+    """``fn`` (compiled) run outside the counting mode, counted as the kernels its generated
+    code launches (found at its last compilation)."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapper(*args):
+        with _disable_current_modes():
+            if name in _KERNELS:
+                out = fn(*args)
+            else:  # (compiled anew, its code kept: once)
+                out, codes = run_and_get_code(fn, *args)
+                _KERNELS[name] = _launches(codes[-1]) if codes else 1
+        if _ACTIVE:
+            _ACTIVE[-1].ops["compiled"] += _KERNELS.get(name, 1)
+        return out
+    return wrapper
+
+
+def _count_compiled() -> None:
+    """Wrap the decode step's compiled functions (``decode/compiled.py``, the cascade's
+    merge) with :func:`_counting`."""
+    from genback.llm.hf.decode import cascade, compiled
+
+    for name in ("rms_norm", "add_rms_norm", "silu_mul", "rotate"):
+        compiled._COMPILED[name] = _counting(name, compiled.compiled(name))
+    cascade._MERGE = _counting("merge", cascade._compiled_merge())
+
+
 def count(model, tok, options: dict, rows: int, prompt: int) -> Counter:
     """The operators of the last step of a 4-step SMC trace through the eager decode step."""
     from genback.llm import AsyncTransformer
     from test_llm_tree import _smc_trace
+
+    if options.get("compile"):
+        _count_compiled()
 
     lm = AsyncTransformer(model, tok, batch_window=0.05, row_cache_size=0, decode="eager")
     step = lm.runner.decode_step
@@ -63,7 +116,11 @@ def count(model, tok, options: dict, rows: int, prompt: int) -> Counter:
 
     def counted(buf):
         with _Count() as c:
-            forward(buf)
+            _ACTIVE.append(c)
+            try:
+                forward(buf)
+            finally:
+                _ACTIVE.pop()
         counts.append(c.ops)
     step._forward = counted
 
@@ -82,6 +139,10 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=300)
+    ap.add_argument("--compile", action="store_true",
+                    help="a last row: CUDA's defaults and the compiled glue (DecodeStep.compile)")
+    ap.add_argument("--defaults-only", action="store_true",
+                    help="no rows with an option off")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -99,13 +160,19 @@ def main() -> None:
     print("| options | operators | matrix products | products (mul) | sums (add) | roll |")
     print("|---|---|---|---|---|---|")
     base = dict.fromkeys(DEFAULTS, True)
-    for label, off in [("CUDA's defaults", None)] + [(f"{d} off", d) for d in DEFAULTS] + \
-            [("all off", "all")]:
-        options = dict.fromkeys(DEFAULTS, False) if off == "all" else {**base, **(
-            {off: False} if off else {})}
+    rows = [("CUDA's defaults", None)]
+    if not args.defaults_only:
+        rows += [(f"{d} off", d) for d in DEFAULTS] + [("all off", "all")]
+    if args.compile:
+        rows.append(("CUDA's defaults + compile", "compile"))
+    for label, off in rows:
+        options = (dict.fromkeys(DEFAULTS, False) if off == "all" else
+                   {**base, "compile": True} if off == "compile" else
+                   {**base, **({off: False} if off else {})})
         c = count(model, tok, options, args.rows, args.prompt)
         print(f"| {label} | {sum(c.values())} | {c['linear']} | {c['mul']} | {c['add']} | "
-              f"{c['roll']} |")
+              f"{c['roll']} |" + (f" (compiled kernels {c['compiled']}: "
+                                  f"{dict(sorted(_KERNELS.items()))})" if c['compiled'] else ""))
 
 
 if __name__ == "__main__":

@@ -162,10 +162,11 @@ _MERGE = None  # merge_levels compiled (once per process: DecodeStep.fused)
 
 def _compiled_merge():
     """:func:`merge_levels` compiled by ``torch.compile`` (shapes dynamic: one compilation for
-    every bucket), for :class:`.step.DecodeStep`'s ``fused``: its ~8 kernels a layer fused."""
+    every bucket; no graph break), for :class:`.step.DecodeStep`'s ``fused`` and ``compile``:
+    its ~8 kernels a layer fused."""
     global _MERGE
     if _MERGE is None:
-        _MERGE = torch.compile(merge_levels, dynamic=True)
+        _MERGE = torch.compile(merge_levels, dynamic=True, fullgraph=True)
     return _MERGE
 
 

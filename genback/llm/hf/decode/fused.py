@@ -47,14 +47,15 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 class FusedNorms:
     """The model's :data:`NORMS` modules, and the norm that replaces theirs: :func:`rms_norm`
-    compiled once for all of them (``compiled`` True), or :func:`rms_norm_op` (False).
+    compiled once for all of them (``compiled`` True; ``norm``: that compiled function, made
+    by the caller), or :func:`rms_norm_op` (False).
 
     Use ``with fused:`` around a forward: each norm's ``forward`` is that function for
     its duration (an instance attribute, deleted on exit, so the class's is back). ``count``:
     how many norms are swapped (0: nothing to fuse, the context does nothing).
     """
 
-    def __init__(self, model: torch.nn.Module, compiled: bool = True):
+    def __init__(self, model: torch.nn.Module, compiled: bool = True, norm=None):
         self.modules = [m for m in model.modules()
                         if type(m).__name__ in NORMS and "forward" not in vars(m)
                         and isinstance(getattr(m, "weight", None), torch.Tensor)
@@ -62,8 +63,9 @@ class FusedNorms:
         self.count = len(self.modules)
         self.compiled = compiled
         self._norm = None
-        if self.count:
-            self._norm = torch.compile(rms_norm, dynamic=None) if compiled else rms_norm_op
+        if self.count:  # (norm: the decode step's one compiled rms_norm, .compiled's)
+            self._norm = norm or (torch.compile(rms_norm, dynamic=None) if compiled
+                                  else rms_norm_op)
 
     def __enter__(self) -> "FusedNorms":
         fn = self._norm

@@ -78,8 +78,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     if qk is not None:  # (one product's columns: both rotated by the same 4 kernels)
         if getattr(_local, "last", None) is not None and not torch.is_grad_enabled():
             # genback's own forward: rotated in place, so that the product's key and value
-            # blocks stay consecutive for the cache's one write (KVPool.write)
-            embed = torch.add(qk * cos, qk.roll(shift, -1) * sin, out=qk)
+            # blocks stay consecutive for the cache's one write (KVPool.write); with a
+            # compiled rotation (RopeOp's ``rotate``: DecodeStep.compile) in one kernel or two
+            rotate = getattr(_local, "rotate", None)
+            if rotate is not None:
+                embed = qk.copy_(rotate(qk, cos, sin, shift))
+            else:
+                embed = torch.add(qk * cos, qk.roll(shift, -1) * sin, out=qk)
         else:
             embed = (qk * cos) + (qk.roll(shift, -1) * sin)
         heads = q.shape[unsqueeze_dim]
@@ -148,7 +153,9 @@ class RopeOp:
     instance is entered by one thread at a time: the decode step's, under the forward lock).
     ``count``: the attention layers it serves (0: none, the context does nothing)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, rotate=None):
+        self.rotate = rotate  # (the joint in-place rotation's function: compiled.rotate's
+        # compiled form, or None: the eager kernels)
         served: dict[str, bool] = {}  # modeling module -> its RoPE is the half-split form
         count = 0
         for m in model.modules():
@@ -180,13 +187,15 @@ class RopeOp:
                     sys.modules[name].apply_rotary_pos_emb = fn
                 _SWAPPED[name] = (entries + 1, own)
                 swapped.append(name)
-            self._entered.append((swapped, getattr(_local, "last", None)))
+            self._entered.append((swapped, getattr(_local, "last", None),
+                                  getattr(_local, "rotate", None)))
         _local.last = [None, None]  # (this forward's signed sine: none yet)
+        _local.rotate = self.rotate
         return self
 
     def __exit__(self, *exc) -> None:
         with _LOCK:
-            swapped, _local.last = self._entered.pop()  # (no tensor of a forward kept)
+            swapped, _local.last, _local.rotate = self._entered.pop()  # (no tensor kept)
             for name in swapped:
                 entries, own = _SWAPPED[name]
                 if entries > 1:

@@ -64,6 +64,7 @@ from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.lanes import REFRESH, Lanes
 from ..plan.segments import split_segments
+from . import compiled as glue
 from .cascade import (FLASH0_MIN_WORK, DecodeBuffers, StepLayout, decode_attention,
                       flash_level0_pays)
 from .fused import FusedNorms
@@ -164,12 +165,11 @@ class DecodeStep:
             (:mod:`.projections`: the model's weights are laid out once as blocks of one tensor,
             values unchanged); default True on CUDA, False elsewhere. Set it before the first
             step.
-        fused: the model's RMSNorms run as one ``torch.compile``'d function during the step's
-            forwards (:mod:`.fused`: 8 kernels a norm become one or two) and the cascade's
-            levels are merged by a compiled :func:`.cascade.merge_levels`; default False (on an
-            H200 it took the least GPU time, but its first forwards compiled for 4-7 s:
-            ``benchmarks/RESULTS.md``, session 57; ``bench_gpu.py --genback auto-fused``). Set
-            it before the first step.
+        fused: the model's RMSNorms run as one ``torch.compile``'d function (:mod:`.fused`) and
+            the cascade's levels are merged by a compiled :func:`.cascade.merge_levels`; compile:
+            that and each layer's glue compiled too (:mod:`.compiled`). Both default False (fused
+            took the least GPU time on an H200 but compiled for 4-7 s: ``benchmarks/RESULTS.md``,
+            session 57; ``bench_gpu.py --genback auto-fused``, ``auto-compiled``). Set them first.
         graphs: the :class:`.graphs.StepGraphs` (its statistics: replays, captures, verified
             and rejected buckets, graph memory).
         steps (forwards run: a step split into chunks counts each), lane_steps (steps laid out
@@ -197,9 +197,9 @@ class DecodeStep:
         self.norm_op = self.rope_op = self.keep_level0 = self.fuse_projections = \
             pool.device.type == "cuda"
         self.level0 = KeptPrefixes(pool)
-        self.fused = False
-        self._norms: FusedNorms | None = None
-        self._rope: RopeOp | None = None
+        self.fused = self.compile = False
+        self._layers: glue.CompiledLayers | None = None
+        self._norms, self._rope = None, None  # (FusedNorms, RopeOp: made at the first forward)
         self._projections: FusedProjections | None = None
         self._lanes: list[Lanes] = []  # the last step's rows, per chunk (see .lanes)
         self._rows = 0  # the last step's rows
@@ -364,7 +364,7 @@ class DecodeStep:
                 flash0 = (self.pool.device.type == "cuda"
                           and self.pool.dtype in (torch.bfloat16, torch.float16)
                           and flash_level0_pays(key[0] * self.groups, key[2]))
-            buf.flash0, buf.fused = flash0, self.fused
+            buf.flash0, buf.fused = flash0, self.fused or self.compile
             buf.level0 = self.level0.get(key[2]) if self.keep_level0 and key[2] else None
         buf.fill(layout)
         if buf.level0 is not None:
@@ -375,20 +375,22 @@ class DecodeStep:
 
     def _forward(self, buf: DecodeBuffers) -> None:
         model = self.model
-        norms = contextlib.nullcontext()
-        if self.fused or self.norm_op:  # (fused: the compiled norm)
-            if self._norms is None or self._norms.compiled != self.fused:
-                self._norms = FusedNorms(model, compiled=self.fused)
-            norms = self._norms
-        rope = contextlib.nullcontext()
-        if self.rope_op:
-            if self._rope is None:
-                self._rope = RopeOp(model)
-            rope = self._rope
+        compiled = self.fused or self.compile  # (the compiled norm)
+        if (compiled or self.norm_op) and (self._norms is None or self._norms.compiled != compiled):
+            norm = glue.compiled("rms_norm") if compiled else None  # (one for all: .compiled)
+            self._norms = FusedNorms(model, compiled, norm)
+        norms = self._norms if compiled or self.norm_op else contextlib.nullcontext()
+        rotate = glue.compiled("rotate") if self.compile else None
+        if self.rope_op and (self._rope is None or self._rope.rotate is not rotate):
+            self._rope = RopeOp(model, rotate)
+        rope = self._rope if self.rope_op else contextlib.nullcontext()
+        if self.compile and self._layers is None:
+            self._layers = glue.CompiledLayers(model)
+        layers = self._layers if self.compile else contextlib.nullcontext()
         projections = (self._projections if self.fuse_projections and self._projections
                        else contextlib.nullcontext())
         with torch.inference_mode(), tree_attention.active(buf), norms, rope, projections, \
-                tree_attention.use_tree_attention(model.config, NAME):
+                layers, tree_attention.use_tree_attention(model.config, NAME):
             buf.prepare()
             out = model(input_ids=buf.ids, position_ids=buf.positions, use_cache=True,
                         logits_to_keep=1, **cache_argument(model, TreeCache(buf)))
