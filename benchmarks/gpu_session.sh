@@ -89,7 +89,7 @@ case "$part" in
     # counted on this host's CPU); ~4 min on an H200
     WHICH=new cells llama-3.1-8b 16 1000 "${MODES:-auto,auto-compiled}"
     WHICH=new cells llama-3.2-1b 64,256 1000 "${MODES:-auto,auto-compiled}"
-    python3 benchmarks/decode_ops.py --shape llama-3.1-8b --compile --defaults-only 2>&1 \
+    python3 benchmarks/lab/decode_ops.py --shape llama-3.1-8b --compile --defaults-only 2>&1 \
       | tee "$out/decode-ops.log" ;;
   trie)
     python3 benchmarks/bench_trie_gpu.py --vocabs cl100k,gpt2 --batches 1,64,256 --no-genlm \

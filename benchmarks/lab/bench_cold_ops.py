@@ -22,7 +22,7 @@ synchronisation, as a step reads its logits), so that what is left is the host's
 the effect: the forward's Python and dispatcher code, not its compute. What it shows: how much of a step's host time on this machine is the
 distance of its code and data after the forward, not the work (``benchmarks/RESULTS.md``).
 
-Run: ``taskset -c 1 python benchmarks/bench_cold_ops.py`` (``--device cuda`` on a GPU host).
+Run: ``taskset -c 1 python benchmarks/lab/bench_cold_ops.py`` (``--device cuda`` on a GPU host).
 """
 
 from __future__ import annotations

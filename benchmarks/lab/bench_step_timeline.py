@@ -33,7 +33,7 @@ The clocks are read by wrapping genback's private hand-off points (the worker po
 ``Batcher._run_inline``, ``Front._compute_owned``, ``Batcher._finish``): a measurement tool, not
 an API.
 
-Run: ``taskset -c 1 python benchmarks/bench_step_timeline.py --particles 1 16 256`` (``--worker``:
+Run: ``taskset -c 1 python benchmarks/lab/bench_step_timeline.py --particles 1 16 256`` (``--worker``:
 every batch on the worker thread, the batcher's ``inline_cohort`` off).
 """
 

@@ -8,7 +8,7 @@ of them off in turn, over a random Llama with a real shape's layers and heads an
 (the count does not depend on the widths): ``--shape llama-3.1-8b`` (32 layers, 32 query heads
 over 8 KV heads) or ``llama-3.2-1b`` (16 layers, 32 over 8).
 
-    python benchmarks/decode_ops.py --shape llama-3.1-8b
+    python benchmarks/lab/decode_ops.py --shape llama-3.1-8b
 
 Each row: the options, operators a step (a CUDA kernel each, roughly: a matrix product may add
 a split-K reduction), and the matrix products, products, sums and rolls among them. With

@@ -9,7 +9,7 @@ captures, and the error against uncached rows. A file ``<shape>-old.json`` besid
 ``<shape>-new.json`` (the old code, same call) adds a "vs old" column: the new default method's
 mean over the old one's.
 
-Usage: ``python benchmarks/gpu_summary.py OUT_DIR`` (every ``*.json`` of bench_gpu.py in it).
+Usage: ``python benchmarks/lab/gpu_summary.py OUT_DIR`` (every ``*.json`` of bench_gpu.py in it).
 """
 
 from __future__ import annotations
@@ -77,5 +77,5 @@ def summary(folder: Path) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python benchmarks/gpu_summary.py OUT_DIR")
+        raise SystemExit("usage: python benchmarks/lab/gpu_summary.py OUT_DIR")
     print(summary(Path(sys.argv[1])))
