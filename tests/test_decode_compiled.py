@@ -51,7 +51,8 @@ def test_each_compiled_function_is_one_graph_for_all_rows_and_equals_its_eager_f
     """Each function compiles with ``fullgraph=True`` (a graph break would raise), to at most
     two graphs over four row counts (a static one, then one with dynamic sizes: not one per
     bucket; one more for bf16), and computes its eager form's values: float32 within its
-    rounding, bf16 within a bf16 unit (the compiled kernel rounds once where the eager code rounds each operator)."""
+    rounding, bf16 within a bf16 unit (the compiled kernel rounds once where the eager code
+    rounds each operator)."""
     with torch.inference_mode():
         for name in NAMES:
             fn = compiled.compiled(name)
