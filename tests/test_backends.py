@@ -6,7 +6,7 @@ import pytest
 
 from genback import llm
 from genback.llm.backends import BACKEND_NAMES, BACKENDS, backend_class, check_backend
-from genback.cli import build_parser
+from genback.cli.parser import build_parser
 from genback.engine import GenbackEngine
 
 

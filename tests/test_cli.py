@@ -94,7 +94,7 @@ def test_version_prints_the_package_version():
 
 
 def test_help_is_plain_text_and_every_option_has_help_and_default():
-    from genback.cli import build_parser
+    from genback.cli.parser import build_parser
 
     parser = build_parser()
     top = run("--help")
