@@ -342,7 +342,10 @@ def nested_md(model: str, r: dict) -> str:
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(
+        "Host cost per query of SMC-shaped steps on a nearly free model: what genback spends around "
+        "the forward (caller, worker, collector), against a hand-written async step over plain "
+        "transformers on the same trace (host_loop.py, beside every cell; --no-loop skips it)."))
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--particles", type=int, nargs="+")
     p.add_argument("--contexts", type=int, nargs="+")

@@ -60,7 +60,10 @@ async def run(model, tok, n: int, context: int, steps: int, resample: int, seed:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=(
+        "A long SMC run on the tiny model: per window of steps, the step's wall and host time and the KV "
+        "bytes read, against the run's first window (does a step grow with the run?); run it in two "
+        "trees (PYTHONPATH) to compare them."))
     p.add_argument("--particles", type=int, default=16)
     p.add_argument("--context", type=int, default=100)
     p.add_argument("--steps", type=int, default=1000)

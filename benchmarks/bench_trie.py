@@ -66,7 +66,9 @@ def timed_build(cls, vocab, repeat, **kw):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=(
+        "Token-character trie on the CPU: genback's build and weight_sum / weight_max (B=1, B=32) "
+        "against genlm-backend 0.3.1's trie in the same process, and against floors that reduce nothing."))
     ap.add_argument("--vocabs", default="smollm2,gpt2,gemma3")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-genlm", action="store_true")

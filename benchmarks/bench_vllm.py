@@ -168,7 +168,10 @@ def run_mixed(system, steps, prompt, gen_tokens) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(
+        "vLLM backend: full-vocabulary rows per second of an SMC replay, and row-query latency beside "
+        "a generation: genback's AsyncVirtualLM against plain vLLM AsyncLLM.generate on the same engine "
+        "(--genback DIR measures another genback tree the same way)."))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--particles", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)

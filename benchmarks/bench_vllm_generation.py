@@ -22,7 +22,10 @@ def main() -> None:
     torch.set_num_threads(1)
     from genback.engine import GenbackEngine, GenerationRequest
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(
+        "Engine-facade generation on AsyncVirtualLM: tokens/s and vLLM requests of a greedy and a seeded "
+        "sampled generation (and of N concurrent ones), vLLM's sampler streamed; run it over an older "
+        "tree (PYTHONPATH) to compare with a row query per token."))
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=0)

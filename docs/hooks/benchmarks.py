@@ -1,12 +1,13 @@
 """mkdocs hook: the benchmarks page's numbers and plots, read from ``benchmarks/RESULTS.md``.
 
-``benchmarks/RESULTS.md`` is where each benchmark's measured output is recorded (with the command
-that produced it). At build time this hook parses the figures of each known section (the section's
-*last* table or output block, which by the file's convention is its latest run), writes them to
-``benchmarks/data.json`` in the site, draws one matplotlib figure per section and puts the figures
-and the parsed numbers in place of ``<!-- benchmark-plots -->`` on ``benchmarks.md``. Nothing is
-drawn by hand: when a section cannot be parsed any more the build warns (and ``--strict`` fails),
-so the page cannot silently drift from the results file.
+``benchmarks/RESULTS.md`` holds each benchmark's current figures, one ``## `` section a benchmark,
+each table dated with its commit and device; the runs before them are in ``benchmarks/history/``.
+At build time this hook parses the figures of each known section (the section's *last* table
+whose first column it names), writes them to ``benchmarks/data.json`` in the site, draws one
+matplotlib figure per section and puts the figures and the parsed numbers in place of
+``<!-- benchmark-plots -->`` on ``benchmarks.md``. Nothing is drawn by hand: when a section cannot
+be parsed any more the build warns (and ``--strict`` fails), so the page cannot silently drift
+from the results file.
 
 Also usable alone: ``python docs/hooks/benchmarks.py OUT_DIR`` writes the data and PNGs there.
 """
@@ -105,23 +106,6 @@ def parse_trie(all_sections):
     return {"title": "Token-character trie: build and one weight_sum", "rows": rows}
 
 
-def parse_mc(all_sections):
-    body = _section(all_sections, "Multiple-choice log-likelihood")
-    blocks = re.findall(r"```\n(.*?)```", body, flags=re.S)
-    found = None
-    for block in blocks:
-        hf = re.search(r"lm-eval HFLM.*?:\s*([\d.]+) s\s+([\d.]+) requests/s", block)
-        gb = re.search(r"genback engine\s*:\s*([\d.]+) s\s+([\d.]+) requests/s", block)
-        if hf and gb:
-            found = (hf, gb)
-    if found is None:
-        raise LookupError("no output block with 'lm-eval HFLM' and 'genback engine' lines")
-    hf, gb = found
-    return {"title": "Multiple-choice log-likelihood, 800 requests (SmolLM2)",
-            "rows": [{"system": "lm-eval HFLM", "wall_s": float(hf.group(1)), "requests_per_s": float(hf.group(2))},
-                     {"system": "genback engine", "wall_s": float(gb.group(1)), "requests_per_s": float(gb.group(2))}]}
-
-
 def parse_clients(all_sections):
     table = _last_table(_section(all_sections, "genlm-backend clients"), "program")
     old, new = _column(table, "genlm-backend client s"), _column(table, "genback client s")
@@ -164,8 +148,8 @@ def parse_mixes(all_sections):
                       "hflm_s": number(r[hf])} for r in table[1:]]}
 
 
-PARSERS = {"smc": parse_smc, "scale": parse_scale, "trie": parse_trie, "mc": parse_mc,
-           "mixes": parse_mixes, "clients": parse_clients, "vllm": parse_vllm}
+PARSERS = {"smc": parse_smc, "scale": parse_scale, "trie": parse_trie, "mixes": parse_mixes,
+           "clients": parse_clients, "vllm": parse_vllm}
 
 
 def parse(text: str) -> tuple[dict, dict]:
@@ -195,10 +179,9 @@ def plot(key: str, entry: dict) -> bytes:
 
     rows = entry["rows"]
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(3, len(rows)) + 1.2))
-    if key in ("smc", "vllm", "mc"):
+    if key in ("smc", "vllm"):
         field, unit = {"smc": ("wall_s", "wall time, s (lower is better)"),
-                       "vllm": ("rows_per_s", "rows per second (higher is better)"),
-                       "mc": ("requests_per_s", "requests per second (higher is better)")}[key]
+                       "vllm": ("rows_per_s", "rows per second (higher is better)")}[key]
         names = [_short(r["system"]) for r in rows]
         values = [r[field] or 0 for r in rows]
         colors = ["tab:orange" if "genback" in r["system"].lower() else "tab:gray" for r in rows]
