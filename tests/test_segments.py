@@ -253,6 +253,15 @@ def test_the_worked_example_of_split_segments():
     layout, pads = private.layout(np.array([[20], [21], [22]]))
     assert layout.tolist() == [[0, 101, 20], [0, 102, 21], [102, 103, 22]]
     assert pads.tolist() == [1, 1, 0]
+    # X under three paths saves 2 * 100 copies: shared with that bound, private above it
+    assert [r for _, r in split_segments(paths, 64, min_saved_tokens=200)[0]] == [[0, 1, 2]]
+    shared, private = split_segments(paths, 1, min_saved_tokens=201)
+    assert shared == []  # (B, 1 token under two paths, saves 1 copy: private too)
+    layout, _ = private.layout(np.array([[20], [21], [22]]))
+    past = [sorted(int(x) for x in row[:-1] if x) for row in layout]  # (0: the dummy slot)
+    assert layout[:, -1].tolist() == [20, 21, 22]
+    assert past == [list(range(1, 101)) + [101], list(range(1, 101)) + [102],
+                    list(range(1, 101)) + [102, 103]]
 
 
 def test_anchored_walks_agree_with_brute_force_through_an_smc_run():

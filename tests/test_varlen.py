@@ -10,6 +10,7 @@ than the dense path's own error.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import numpy as np
@@ -142,6 +143,8 @@ def test_packed_tree_path_fp32_matches_uncached(tiny_hf, gpt2_tok, device, model
     seen = _counted(monkeypatch)
     lm = AsyncTransformer(hf, gpt2_tok, batch_window=0.01, attention="tree", decode="off",
                           **OPTIONS[option])
+    if option == "shared":  # (every segment under two paths shared, however few copies it saves)
+        lm.runner.forward.packed_min_saved_tokens = 0
     try:
         assert lm.runner.budget.packed
         pairs = _run_without_math(lm)
@@ -168,6 +171,8 @@ def test_packed_tree_path_bf16_on_cuda_no_worse_than_dense(gpt2_tok, option, mon
     seen = _counted(monkeypatch)
     lm = AsyncTransformer(_llama(gpt2_tok, "cuda", torch.bfloat16), gpt2_tok, batch_window=0.01,
                           attention="tree", decode="off", **OPTIONS[option])
+    if option == "shared":
+        lm.runner.forward.packed_min_saved_tokens = 0
     try:
         pairs = _run_without_math(lm)
         cached = max(_errors(lm, pairs, ref_lm=ref32))
@@ -222,3 +227,41 @@ def test_scoring_batch_forwards_under_each_kernels_accounting(n, lo, hi):
     # the working set (activations, logits) bounds a packed forward too: 1/16 of the bytes
     small = forward_budget(_Config, (2 << 30) // 16, "flash", 8)
     assert len(group_paths(paths, 4096, small.max_bytes, 0, small)) > len(packed)
+
+
+def test_packed_path_shares_only_segments_that_save_many_copies(gpt2_tok, monkeypatch):
+    """With the packed kernel, multiple-choice scoring (each short context under its four
+    continuations) reads every context in the rows' own packed pasts: no segment attention at
+    all under the default :data:`PACKED_MIN_SAVED_TOKENS`; with the bound at 0 the same batch
+    attends to the contexts as shared segments; both within 1e-5 of a plain forward of each
+    context + continuation."""
+    from genback.llm.hf.forward.tree import PACKED_MIN_SAVED_TOKENS
+
+    monkeypatch.setattr(varlen, "FORCE", "reference")
+    hf = _llama(gpt2_tok, "cpu", torch.float32)
+    rng = random.Random(1)
+    contexts = [[rng.randrange(1000) for _ in range(rng.randrange(70, 90))] for _ in range(6)]
+    pairs = [(c, [rng.randrange(1000) for _ in range(rng.randrange(2, 6))])
+             for c in contexts for _ in range(4)]
+    with torch.no_grad():
+        want = []
+        for c, t in pairs:
+            logits = hf(torch.tensor([c + t])).logits[0, len(c) - 1:-1].float()
+            want.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(t)[:, None])[:, 0])
+    for bound in (PACKED_MIN_SAVED_TOKENS, 0):
+        seen = _counted(monkeypatch)
+        lm = AsyncTransformer(hf, gpt2_tok, batch_window=0.05, attention="tree", decode="off",
+                              min_shared_tokens=64)
+        lm.runner.forward.packed_min_saved_tokens = bound
+        try:
+            for c in contexts:  # (cached first: the continuations then share them)
+                lm.cache_kv(c)
+
+            async def score():
+                return await asyncio.gather(*(lm.token_logprobs(c, t) for c, t in pairs))
+
+            got = asyncio.run(score())
+        finally:
+            lm.close()
+        assert ("segment" in seen) == (bound == 0), (bound, sorted(seen))
+        assert max(float((a - b).abs().max()) for a, b in zip(got, want)) <= 1e-5

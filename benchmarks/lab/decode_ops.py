@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # genback from a checkout
 
 SHAPES = {"llama-3.1-8b": (32, 32, 8), "llama-3.2-1b": (16, 32, 8)}  # layers, heads, KV heads
 VIEWS = {"view", "unsqueeze", "slice", "as_strided", "transpose", "expand", "select", "narrow",

@@ -217,7 +217,8 @@ class SegmentTable:
 
 
 def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = False,
-                   anchors: Anchors | None = None) -> tuple[list, PrivatePasts]:
+                   anchors: Anchors | None = None,
+                   min_saved_tokens: int = 0) -> tuple[list, PrivatePasts]:
     """Decide which cached segments a forward attends to once for all paths below them.
 
     A segment (a node's first ``k`` tokens) used by ``n >= 2`` paths is shared when it is at
@@ -252,6 +253,10 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
             common: level 0 of a decode step's cascade, :mod:`..decode.step`), from one path on.
         anchors: the caller's :class:`Anchors` (kept from call to call), or None: every walk
             goes up to the root.
+        min_saved_tokens: besides its length, a segment under ``n`` paths is shared only when
+            the copies it saves, ``(n - 1) * k`` tokens, are at least this many (0: no such
+            bound; the tree forward's packed CUDA kernel sets one, see
+            :data:`..forward.tree.PACKED_MIN_SAVED_TOKENS`).
 
     Returns:
         ``(shared, private)``: ``shared`` a list of ``(slots, path indices)``, root side first;
@@ -259,18 +264,21 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
     """
     R = len(paths)
     can_share = R >= (1 if shared_by_all else 2)
-    key = (paths[0].adapter if paths else None, min_shared_tokens, can_share)
+    # a segment on every path saves (R - 1) * its length: the length that saves enough
+    min_every = max(min_shared_tokens, -(-min_saved_tokens // max(R - 1, 1)))
+    key = (paths[0].adapter if paths else None, min_every, can_share)
     table, above, fell_back = _table(paths, anchors, key)
     top = table.common()
     chains = table.chains(below=top)  # (the segments on every path are handled below, at once)
     alone, joined = _on_every_path(table, top, above, fell_back, anchors, key,
-                                   min_shared_tokens if can_share else None)
+                                   min_every if can_share else None)
     everyone = list(range(R))
     shared = [(seg, everyone) for seg in alone]
-    if joined is not None and can_share and len(joined) >= min_shared_tokens:
+    if joined is not None and can_share and len(joined) >= min_every:
         shared.append((joined, everyone))
         joined = None
-    return shared, _below(table, chains, shared, joined, min_shared_tokens, shared_by_all)
+    return shared, _below(table, chains, shared, joined, min_shared_tokens, shared_by_all,
+                          min_saved_tokens)
 
 
 def _table(paths: list, anchors: Anchors | None, key) -> tuple:
@@ -320,7 +328,7 @@ def _on_every_path(table: SegmentTable, top: int, above, fell_back: bool, anchor
 
 
 def _below(table: SegmentTable, chains: np.ndarray, shared: list, joined,
-           min_shared_tokens: int, shared_by_all: bool) -> PrivatePasts:
+           min_shared_tokens: int, shared_by_all: bool, min_saved_tokens: int) -> PrivatePasts:
     """The segments below the common part: each used by >= 2 paths (all, with
     ``shared_by_all``) and long enough is appended to ``shared`` (root side first, by end);
     the others, with ``joined`` (what is on every path and not shared) first in every chain,
@@ -329,7 +337,7 @@ def _below(table: SegmentTable, chains: np.ndarray, shared: list, joined,
     lengths = np.array(table.lengths, dtype=np.int64)
     count = np.bincount(chains[chains >= 0], minlength=S)
     enough = count == R if shared_by_all else count >= 2
-    is_shared = enough & (lengths >= min_shared_tokens)
+    is_shared = enough & (lengths >= min_shared_tokens) & ((count - 1) * lengths >= min_saved_tokens)
     is_private = count > 0  # (the common entries are on no chain: they are counted 0)
     if is_shared.any():
         shared_at = np.flatnonzero(is_shared)
