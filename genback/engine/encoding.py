@@ -24,7 +24,7 @@ the default) and offers Evalution's (``pair_encoding="separate"``). Requests tha
 from __future__ import annotations
 
 from ..window import truncate_pair
-from .checks import check_loglikelihood_request, token_ids
+from .checks import check_loglikelihood_request
 
 __all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair",
            "encode_loglikelihood"]
@@ -103,9 +103,7 @@ def encode_loglikelihood(tokenizer, request, mode: str, window: int
         TypeError: a malformed request (:func:`.checks.check_loglikelihood_request`).
         ValueError: the continuation tokenizes to no tokens, or is longer than ``window``.
     """
-    check_loglikelihood_request(request)
-    ctx = token_ids(request.context_input_ids, "context_input_ids")
-    cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
+    ctx, cont = check_loglikelihood_request(request)  # (the id fields, checked)
     if ctx is None and cont is None:
         ctx, cont = encode_pair(tokenizer, request.context or "", request.continuation or "", mode)
     else:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Callable
 
 from .base import BaseInferenceSession
-from .checks import check_batch_size, check_generation_request, check_rolling_request, token_ids
+from .checks import check_batch_size, check_generation_request, check_rolling_request
 from .encoding import PAIR_ENCODINGS, encode_loglikelihood, encode_text, prefix_token_id
 from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
@@ -234,8 +234,7 @@ class GenbackSession(BaseInferenceSession):
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
     async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
-        check_rolling_request(request)
-        tokens = token_ids(request.input_ids, "input_ids")
+        tokens = check_rolling_request(request)  # (its input_ids, checked)
         if tokens is None:
             tokens = encode_text(self.tokenizer, request.text or "")
         total = await score_rolling(self.lm, tokens, prefix_token_id(self.tokenizer),
