@@ -110,8 +110,8 @@ def make_instances(mix: str, text: Text, args) -> list:
                 continue
             seen.add(context)
             c, _ = text.cut(rng, 1)
-            out.append(Instance("loglikelihood", {}, (context, text.text(c, _end(text, c, rng, k, k))),
-                                len(out)))
+            continuation = text.text(c, _end(text, c, rng, k, k))
+            out.append(Instance("loglikelihood", {}, (context, continuation), len(out)))
     elif mix == "rolling":
         for i in range(args.texts):
             a, b = text.cut(rng, rng.randint(100, 900))
@@ -193,7 +193,7 @@ def parse(argv=None) -> argparse.Namespace:
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default=None, choices=sorted(G.SHAPES),
-                    help="random-weight Llama shape (default llama-3.2-1b on CUDA, tiny on the CPU)")
+                    help="random-weight Llama shape (default: llama-3.2-1b on CUDA, tiny on CPU)")
     ap.add_argument("--model", default=None, help="a local Hugging Face model folder instead")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
