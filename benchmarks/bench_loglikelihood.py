@@ -133,6 +133,36 @@ def agreement(mix: str, ref, got, lengths) -> tuple[str, bool]:
     return f"generations equal {same}/{len(ref)}", same == len(ref)
 
 
+class ForwardClock:
+    """Time spent inside ``model``'s own forward calls (hooks on the top module: both systems
+    call it), so that what is left is the host work around the forwards: encoding, checks,
+    planning, padding, answering. Wall seconds, and CPU seconds (the forward's thread's; the
+    process's for the whole call, every thread), which a loaded machine disturbs less. CPU
+    only (no device synchronisation)."""
+
+    def __init__(self, model):
+        self.wall = self.cpu = 0.0
+        self._t0 = self._c0 = None
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._stop)
+
+    def _start(self, module, args):
+        self._t0, self._c0 = time.perf_counter(), time.thread_time()
+
+    def _stop(self, module, args, out):
+        self.wall += time.perf_counter() - self._t0
+        self.cpu += time.thread_time() - self._c0
+
+    def timed(self, fn):
+        """``(result, wall seconds, host wall seconds, host CPU seconds)`` of ``fn()``: host is
+        the call's time less its forwards' time."""
+        w0, c0 = self.wall, self.cpu
+        t0, p0 = time.perf_counter(), time.process_time()
+        result = fn()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - p0
+        return result, wall, wall - (self.wall - w0), cpu - (self.cpu - c0)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--questions", type=int, default=32, help="multiple-choice questions (x4)")
@@ -144,7 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="run each mix this many times, alternating HFLM and genback, and keep "
                         "each one's fastest time (a shared machine's load comes and goes)")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a genback model name, or 'tiny': tiny_lm.py's 2-layer random Llama over a "
+                        "512-token BPE, whose forward costs little (what is left is host work)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     mixes = [m for m in args.mixes.split(",") if m]
@@ -160,28 +192,32 @@ def main(argv=None) -> int:
     from genback.registry import resolve
 
     print("command: python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]))
-    path = resolve(args.model)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    if args.model == "tiny":
+        import tiny_lm
+
+        model, tok = tiny_lm.load("tiny")
+    else:
+        path = resolve(args.model)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(path)
     hf = HFLM(pretrained=model, tokenizer=tok, batch_size=args.hf_batch_size, device="cpu")
     lm = AsyncTransformer(model, tok)
     gb = GenbackLM(lm=lm)
+    clock = ForwardClock(model)
     print(f"torch threads {torch.get_num_threads()}; HFLM batch_size={args.hf_batch_size}")
 
     rows, all_ok = [], True
     for mix in mixes:
         reqs = instances(mix, args)
-        t_hf = t_gb = float("inf")
+        t_hf = t_gb = h_hf = h_gb = c_hf = c_gb = float("inf")
         for _ in range(args.repeat):  # alternate the two; keep each one's fastest run
-            t0 = time.perf_counter()
-            ref = run(hf, mix, reqs)
-            t_hf = min(t_hf, time.perf_counter() - t0)
+            ref, wall, host, cpu = clock.timed(lambda: run(hf, mix, reqs))
+            t_hf, h_hf, c_hf = min(t_hf, wall), min(h_hf, host), min(c_hf, cpu)
             lm.clear_cache()
             lm.clear_kv_cache()
             before = lm.cache_info()
-            t0 = time.perf_counter()
-            got = run(gb, mix, reqs)
-            t_gb = min(t_gb, time.perf_counter() - t0)
+            got, wall, host, cpu = clock.timed(lambda: run(gb, mix, reqs))
+            t_gb, h_gb, c_gb = min(t_gb, wall), min(h_gb, host), min(c_gb, cpu)
             info = lm.cache_info()
         lengths = [len(tok.encode(r.args[0])) for r in reqs]
         note, ok = agreement(mix, ref, got, lengths)
@@ -190,20 +226,28 @@ def main(argv=None) -> int:
                 f"{info['batches'] - before['batches']}, tokens forwarded "
                 f"{info['tokens_forwarded'] - before['tokens_forwarded']} (padded "
                 f"{info['padded_tokens_forwarded'] - before['padded_tokens_forwarded']})")
-        rows.append((mix, len(reqs), t_hf, t_gb, note, work))
+        rows.append((mix, len(reqs), t_hf, t_gb, note, work, h_hf, h_gb, c_hf, c_gb))
         print(f"{mix}: {len(reqs)} requests, HFLM {t_hf:.2f} s, genback {t_gb:.2f} s "
               f"({t_gb / t_hf:.2f}x); {note}; genback {work}", flush=True)
+        print(f"{mix}: host time per request (wall minus the model's forwards): HFLM "
+              f"{h_hf / len(reqs) * 1e6:.0f} us, genback {h_gb / len(reqs) * 1e6:.0f} us "
+              f"({h_gb / h_hf:.2f}x); host CPU time per request: HFLM "
+              f"{c_hf / len(reqs) * 1e6:.0f} us, genback {c_gb / len(reqs) * 1e6:.0f} us "
+              f"({c_gb / c_hf:.2f}x)", flush=True)
     gb.close()
 
     print()
-    print("| request mix | requests | HFLM s | genback s | genback / HFLM | agreement |")
-    print("|---|---|---|---|---|---|")
-    for mix, n, t_hf, t_gb, note, _ in rows:
-        print(f"| {mix} | {n} | {t_hf:.2f} | {t_gb:.2f} | {t_gb / t_hf:.2f}x | {note} |")
+    print("| request mix | requests | HFLM s | genback s | genback / HFLM | host us/request, HFLM "
+          "/ genback | agreement |")
+    print("|---|---|---|---|---|---|---|")
+    for mix, n, t_hf, t_gb, note, _, h_hf, h_gb, _, _ in rows:
+        print(f"| {mix} | {n} | {t_hf:.2f} | {t_gb:.2f} | {t_gb / t_hf:.2f}x | "
+              f"{h_hf / n * 1e6:.0f} / {h_gb / n * 1e6:.0f} ({h_gb / h_hf:.2f}x) | {note} |")
     t_hf = sum(r[2] for r in rows)
     t_gb = sum(r[3] for r in rows)
+    h_hf, h_gb = sum(r[6] for r in rows), sum(r[7] for r in rows)
     print(f"| total | {sum(r[1] for r in rows)} | {t_hf:.2f} | {t_gb:.2f} | {t_gb / t_hf:.2f}x | "
-          f"{'all agree' if all_ok else 'DISAGREEMENT'} |")
+          f"({h_gb / h_hf:.2f}x) | {'all agree' if all_ok else 'DISAGREEMENT'} |")
     return 0 if all_ok else 1
 
 

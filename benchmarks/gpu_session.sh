@@ -23,10 +23,12 @@
 #   bash benchmarks/gpu_session.sh phases    # 256-row steps' host parts before the launch
 #   bash benchmarks/gpu_session.sh compiled  # the compiled glue (auto-compiled) beside auto, and
 #                                            # the operators a step (carry [".whl"], ~4 min)
+#   bash benchmarks/gpu_session.sh lmeval    # HFLM vs GenbackLM, four request mixes: 1B, 8B bf16, 1B fp32
+#                                            # (~4 min; lm-eval's wheels in .whl-lmeval: notes/i66b.md)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases"}
+part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases | lmeval"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -122,5 +124,14 @@ case "$part" in
       python3 benchmarks/lab/bench_cold_ops.py --device $dev --repeats 100 --sweep-mib 32 2>&1 \
         | tee -a "$out/cold.log"
     done ;;
-  *) echo "unknown part $part (tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases)" >&2; exit 2 ;;
+  lmeval)  # issue 66: lm-eval's HFLM (batch_size=64) vs GenbackLM on one model, four request mixes
+    if ls .whl-lmeval/*.whl >/dev/null 2>&1; then  # (lm-eval is not on the image)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site-lmeval .whl-lmeval/*.whl && export PYTHONPATH=/tmp/site-lmeval${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    for run in ${LMEVAL_RUNS:-llama-3.2-1b:bf16 llama-3.1-8b:bf16 llama-3.2-1b:fp32}; do
+      python3 benchmarks/bench_lmeval_gpu.py --shape ${run%:*} --dtype ${run#*:} ${LMEVAL_ARGS:-} \
+        --json "$out/lmeval-${run%:*}-${run#*:}.json" 2>&1 | tee "$out/lmeval-${run%:*}-${run#*:}.log"
+    done ;;
+  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases | compiled | lmeval)" >&2; exit 2 ;;
 esac

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
 __all__ = ["check_loglikelihood_request", "check_rolling_request", "check_generation_request",
            "token_ids", "check_batch_size"]
 
@@ -38,12 +40,27 @@ def _text(value, name: str, optional: bool = True) -> None:
 def token_ids(value, name: str) -> list[int] | None:
     """``value`` as a list of non-negative ints, or None when it is None.
 
+    A list or tuple of exact ints (what a tokenizer returns) is checked in C: the set of its
+    items' types and its minimum, no Python step per id (a 100-id list: ~3 us, where an
+    ``isinstance`` per id took ~30 us); a 1-D integer NumPy array by its dtype and minimum.
+    Anything else (NumPy ints in a list, a bool, a float) takes the per-id check, which names
+    the first bad item.
+
     Raises:
         TypeError: not a list / tuple of ints (a str, bytes, bool or float included).
         ValueError: a negative id.
     """
     if value is None:
         return None
+    kind = type(value)
+    if kind is list or kind is tuple:
+        if not value:
+            return []
+        if {*map(type, value)} == _INT and min(value) >= 0:  # (C-level)
+            return list(value)
+    elif (kind is np.ndarray and value.ndim == 1 and value.dtype.kind in "iu"
+          and (not value.size or value.min() >= 0)):
+        return value.tolist()
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{name} must be a list of int token ids, got {_show(value)}")
     out = []
@@ -56,29 +73,44 @@ def token_ids(value, name: str) -> list[int] | None:
     return out
 
 
+_INT = {int}
+
+
 def _metadata(request) -> None:
     meta = getattr(request, "metadata", None)
     if meta is not None and not isinstance(meta, dict):
         raise TypeError(f"metadata must be a dict, got {_show(meta)}")
 
 
-def check_loglikelihood_request(request) -> None:
-    """Raises ``TypeError`` unless ``request`` looks like a ``LoglikelihoodRequest`` whose
-    ``context`` / ``continuation`` are str (or None) and whose id fields are int lists (or None)."""
+def check_loglikelihood_request(request) -> tuple[list[int] | None, list[int] | None]:
+    """Check that ``request`` looks like a ``LoglikelihoodRequest`` whose ``context`` /
+    ``continuation`` are str (or None) and whose id fields are int lists (or None); return
+    the two id fields as checked by :func:`token_ids` (``(context_ids, continuation_ids)``).
+
+    Raises:
+        TypeError: a malformed request or field. ValueError: a negative id.
+    """
     _kind(request, "LoglikelihoodRequest", _LL_FIELDS)
     _text(request.context, "context")
     _text(request.continuation, "continuation")
-    token_ids(request.context_input_ids, "context_input_ids")
-    token_ids(request.continuation_input_ids, "continuation_input_ids")
+    ctx = token_ids(request.context_input_ids, "context_input_ids")
+    cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
     _metadata(request)
+    return ctx, cont
 
 
-def check_rolling_request(request) -> None:
-    """Raises ``TypeError`` unless ``request`` looks like a ``RollingLoglikelihoodRequest``."""
+def check_rolling_request(request) -> list[int] | None:
+    """Check that ``request`` looks like a ``RollingLoglikelihoodRequest``; return its
+    ``input_ids`` as checked by :func:`token_ids` (None when it has none).
+
+    Raises:
+        TypeError: a malformed request or field. ValueError: a negative id.
+    """
     _kind(request, "RollingLoglikelihoodRequest", ("text", "input_ids"))
     _text(request.text, "text")
-    token_ids(request.input_ids, "input_ids")
+    ids = token_ids(request.input_ids, "input_ids")
     _metadata(request)
+    return ids
 
 
 def check_generation_request(request) -> list[str]:

@@ -24,10 +24,10 @@ the default) and offers Evalution's (``pair_encoding="separate"``). Requests tha
 from __future__ import annotations
 
 from ..queries.window import truncate_pair
-from .checks import check_loglikelihood_request, token_ids
+from .checks import check_loglikelihood_request
 
 __all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair",
-           "encode_loglikelihood"]
+           "encode_pairs", "encode_loglikelihood", "fit_ids"]
 
 PAIR_ENCODINGS = ("lm_eval", "separate")
 
@@ -91,6 +91,49 @@ def encode_pair(tokenizer, context: str, continuation: str, mode: str = "lm_eval
     return ctx, whole[len(ctx):]
 
 
+def encode_pairs(tokenizer, pairs) -> list[tuple[list[int], list[int]]]:
+    """:func:`encode_pair` (``mode="lm_eval"``) of every ``(context, continuation)`` of ``pairs``,
+    with each distinct text encoded once: the choices of a question share their context's
+    encoding, and the texts go to the tokenizer in two batched calls (with and without its
+    special tokens; a fast tokenizer encodes a batch in Rust, in parallel). The ids are those of
+    :func:`encode_pair`, pair by pair.
+
+    Raises:
+        ValueError: the tokenizer has neither a BOS nor an EOS token.
+    """
+    prefix_id = prefix_token_id(tokenizer)
+    prefix = tokenizer.decode(prefix_id)
+    texts: tuple[dict, dict] = ({}, {})  # text -> ids: (default special tokens, none)
+    jobs = []
+    for context, continuation in pairs:
+        if context == "":
+            texts[1][continuation] = None
+            jobs.append((None, continuation))
+            continue
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces > 0:
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        for text in (context, context + continuation):  # (encode_text's rule)
+            texts[bool(prefix) and text.startswith(prefix)][text] = None
+        jobs.append((context, context + continuation))
+    for special, known in zip((True, False), texts):
+        if known:
+            batch = tokenizer(list(known), add_special_tokens=special)["input_ids"]
+            known.update(zip(known, map(list, batch)))
+    out = []
+    for context, text in jobs:
+        if context is None:  # (an empty context: the prefix token, as encode_pair)
+            cont = texts[1][text]
+            out.append((cont[:1], cont[1:]) if cont and cont[0] == prefix_id
+                       else ([prefix_id], list(cont)))
+            continue
+        ctx = texts[bool(prefix) and context.startswith(prefix)][context]
+        whole = texts[bool(prefix) and text.startswith(prefix)][text]
+        out.append((ctx, whole[len(ctx):]))
+    return out
+
+
 def encode_loglikelihood(tokenizer, request, mode: str, window: int
                          ) -> tuple[list[int], list[int]]:
     """``(context_ids, continuation_ids)`` of a ``LoglikelihoodRequest``, fitted to ``window``.
@@ -103,9 +146,7 @@ def encode_loglikelihood(tokenizer, request, mode: str, window: int
         TypeError: a malformed request (:func:`.checks.check_loglikelihood_request`).
         ValueError: the continuation tokenizes to no tokens, or is longer than ``window``.
     """
-    check_loglikelihood_request(request)
-    ctx = token_ids(request.context_input_ids, "context_input_ids")
-    cont = token_ids(request.continuation_input_ids, "continuation_input_ids")
+    ctx, cont = check_loglikelihood_request(request)  # (the id fields, checked)
     if ctx is None and cont is None:
         ctx, cont = encode_pair(tokenizer, request.context or "", request.continuation or "", mode)
     else:
@@ -120,3 +161,18 @@ def encode_loglikelihood(tokenizer, request, mode: str, window: int
                          f"{request.continuation_input_ids!r}) tokenizes to no tokens; "
                          f"nothing to score")
     return truncate_pair(ctx, cont, window)
+
+
+def fit_ids(tokenizer, pair, window: int) -> tuple[list[int], list[int]]:
+    """A ``(context_ids, continuation_ids)`` pair that a tokenizer of the model made, fitted to
+    ``window`` (:func:`genback.queries.window.truncate_pair`); an empty context becomes the prefix token.
+    The ids are not checked item by item (the model's query check rejects ids outside its
+    vocabulary).
+
+    Raises:
+        ValueError: an empty continuation, or one longer than ``window``.
+    """
+    ctx, cont = pair
+    if not cont:
+        raise ValueError("continuation_input_ids is empty; nothing to score")
+    return truncate_pair(ctx or [prefix_token_id(tokenizer)], cont, window)

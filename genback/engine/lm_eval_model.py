@@ -36,9 +36,9 @@ except ImportError as _exc:
                         "lm-evaluation-harness (PyPI: lm-eval)", "lm_eval", _exc) from _exc
 
 from .data_parallel import DataParallel, launcher_ranks
-from .encoding import encode_text, prefix_token_id
+from .encoding import encode_pairs, encode_text, prefix_token_id
 from .engine import GenbackEngine
-from .types import GenerationRequest, LoglikelihoodRequest, RollingLoglikelihoodRequest
+from .types import GenerationRequest, RollingLoglikelihoodRequest
 
 __all__ = ["GenbackLM", "register_lm_eval"]
 
@@ -128,14 +128,25 @@ class GenbackLM(TemplateLM):
     def tok_decode(self, tokens, **kwargs) -> str:
         return self.tokenizer.decode(tokens, **kwargs)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``[(logprob, is_greedy)]`` of lm-eval's ``loglikelihood`` requests (``req.args =
+        (context, continuation)``): ``TemplateLM.loglikelihood``'s encoding (the same ids), with
+        each distinct text encoded once, in batched tokenizer calls
+        (:func:`~genback.engine.encoding.encode_pairs`), then :meth:`_loglikelihood_tokens`."""
+        pairs = [tuple(req.args) for req in requests]
+        encoded = encode_pairs(self.tokenizer, pairs)
+        return self._loglikelihood_tokens(
+            [(pair, ctx, cont) for pair, (ctx, cont) in zip(pairs, encoded)],
+            disable_tqdm=disable_tqdm)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """``[(logprob, is_greedy)]`` for ``[((context, continuation), ctx_ids, cont_ids)]``;
         pairs longer than the window are truncated on the left as ``HFLM`` does; a
         continuation longer than the window raises ``ValueError`` (``HFLM`` asserts)."""
-        items = [LoglikelihoodRequest(context_input_ids=list(ctx), continuation_input_ids=list(cont))
-                 for _, ctx, cont in requests]  # the session truncates to its window
-        with tqdm(total=len(items), desc="genback loglikelihood", disable=disable_tqdm) as bar:
-            outs = self.session.loglikelihood(items, progress=bar.update)
+        # lm-eval's own ids: not re-checked item by item; the session truncates to its window
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        with tqdm(total=len(pairs), desc="genback loglikelihood", disable=disable_tqdm) as bar:
+            outs = self.session.loglikelihood_tokens(pairs, progress=bar.update)
         results = [(o.logprob, o.is_greedy) for o in outs]
         for (pair, _, _), res in zip(requests, results):
             if pair is not None:

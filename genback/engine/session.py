@@ -28,11 +28,12 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any, Callable
 
 from .base import BaseInferenceSession
-from .checks import check_batch_size, check_generation_request, check_rolling_request, token_ids
-from .encoding import PAIR_ENCODINGS, encode_loglikelihood, encode_text, prefix_token_id
+from .checks import check_batch_size, check_generation_request, check_rolling_request
+from .encoding import (PAIR_ENCODINGS, encode_loglikelihood, encode_text, fit_ids,
+                       prefix_token_id)
 from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
-from .scoring import score, score_rolling, sharing_order
+from .scoring import score, score_requests, score_rolling
 from .types import (GenerationOutput, GenerationRequest, LoglikelihoodOutput,
                     LoglikelihoodRequest, RollingLoglikelihoodOutput, RollingLoglikelihoodRequest,
                     generation_error, loglikelihood_error, rolling_error)
@@ -140,46 +141,12 @@ class GenbackSession(BaseInferenceSession):
         return encode_loglikelihood(self.tokenizer, request, self.pair_encoding, self.max_length)
 
     async def _loglikelihood_one(self, request: LoglikelihoodRequest) -> LoglikelihoodOutput:
-        return await self._score_encoded((request, self._encode_ll(request)))
-
-    async def _score_encoded(self, item) -> LoglikelihoodOutput:
-        request, encoded = item
-        if isinstance(encoded, Exception):  # the request's own encoding error, reported here
-            raise encoded
-        ctx, cont = encoded
+        ctx, cont = self._encode_ll(request)
         logprob, greedy = await score(self.lm, ctx, cont)
         return LoglikelihoodOutput(logprob, greedy, len(cont), dict(request.metadata or {}))
 
-    async def _loglikelihood_all(self, requests: list, limit: int,
-                                 progress: Callable[[int], None] | None = None) -> list:
-        """Encode every request, send them in :func:`sharing_order` in chunks of ``limit``
-        (each chunk one round of concurrent ``lm.score`` queries, so one batch), and return
-        the outputs in request order. The one place where scoring requests are chunked;
-        ``progress(n)`` is called (on the session's loop thread) after each chunk of ``n``."""
-        encoded: list = []
-        for request in requests:
-            try:
-                encoded.append(self._encode_ll(request))
-            except Exception as exc:  # noqa: BLE001 - reported as this request's error
-                encoded.append(exc)
-        order = sharing_order([None if isinstance(e, Exception) else e for e in encoded])
-        results: list = [None] * len(requests)
-        error = None
-        for start in range(0, len(order), limit):
-            chunk = order[start:start + limit]
-            outs = await asyncio.gather(*(
-                self._guarded(self._score_encoded, (requests[i], encoded[i]),
-                              lambda item, message: self._ll_error(item[0], message))
-                for i in chunk), return_exceptions=True)
-            for i, out in zip(chunk, outs):
-                if isinstance(out, BaseException):
-                    error = error or out
-                results[i] = out
-            if progress is not None:
-                progress(len(chunk))
-        if error is not None:
-            raise error
-        return results
+    def _encode_ids(self, pair) -> tuple[list[int], list[int]]:
+        return fit_ids(self.tokenizer, pair, self.max_length)
 
     _ll_error = staticmethod(loglikelihood_error)
 
@@ -217,8 +184,29 @@ class GenbackSession(BaseInferenceSession):
         if not requests:
             return []
         check_batch_size(batch_size)
-        return self._loop_thread.call(
-            self._loglikelihood_all(requests, batch_size or self.max_in_flight, progress))
+        return self._loop_thread.call(score_requests(
+            self.lm, requests, self._encode_ll, batch_size or self.max_in_flight, self.errors,
+            progress))
+
+    def loglikelihood_tokens(self, pairs: list[tuple[list[int], list[int]]], *,
+                             batch_size: int | None = None,
+                             progress: Callable[[int], None] | None = None
+                             ) -> list[LoglikelihoodOutput]:
+        """:meth:`loglikelihood` of ``(context_ids, continuation_ids)`` pairs that this model's
+        tokenizer made (lm-eval's ``TemplateLM`` hands such pairs to ``GenbackLM``): lists of
+        ints that are not re-checked here item by item (the model's query check still rejects
+        ids outside its vocabulary, with a ``ValueError`` naming ``context_ids`` /
+        ``continuation_ids``). An empty context scores from the prefix token; pairs are cut
+        to the window as in :meth:`loglikelihood`; outputs and errors as there (an empty
+        continuation is a ``ValueError``).
+        """
+        pairs = list(pairs)
+        if not pairs:
+            return []
+        check_batch_size(batch_size)
+        return self._loop_thread.call(score_requests(
+            self.lm, pairs, self._encode_ids, batch_size or self.max_in_flight, self.errors,
+            progress))
 
     def loglikelihood_continuous(self, requests: Iterable[tuple[Any, LoglikelihoodRequest]], *,
                                  batch_size: int | None = None
@@ -234,8 +222,7 @@ class GenbackSession(BaseInferenceSession):
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
     async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
-        check_rolling_request(request)
-        tokens = token_ids(request.input_ids, "input_ids")
+        tokens = check_rolling_request(request)  # (its input_ids, checked)
         if tokens is None:
             tokens = encode_text(self.tokenizer, request.text or "")
         total = await score_rolling(self.lm, tokens, prefix_token_id(self.tokenizer),
