@@ -195,7 +195,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
 
     async def steps():
         nonlocal rows
-        if api == "context":  # lm.context objects, extended by + as lists are
+        if api in ("context", "batch-context"):  # lm.context objects, extended by + as lists
             parts = [lm.context(prompt)] * len(trace[0][0])
         else:
             parts = [list(prompt) for _ in trace[0][0]]
@@ -204,7 +204,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             t = time.perf_counter()
             if phases is not None:
                 phases.begin(t)
-            if api == "batch":  # genlm-control's route: one call, one future
+            if api in ("batch", "batch-context"):  # genlm-control's route: one call, one future
                 got = await lm.batch_next_token_logprobs(parts)
             elif api == "coroutine":  # a coroutine (so a task) around each query's future
                 got = await asyncio.gather(*(_awaited(lm.next_token_logprobs(c)) for c in parts))
@@ -221,7 +221,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
             times.append(time.perf_counter() - t)
             if collect_between:  # the caller's new context lists, collected outside the step
                 gc.collect(1)
-        rows = (got if api == "batch" else torch.stack(got)).cpu()
+        rows = (got if api.startswith("batch") else torch.stack(got)).cpu()
 
     prof = {}
     try:
@@ -459,7 +459,8 @@ def parse(argv):
                          "defer_collections off / on: on by default on CUDA; before a "
                          "/suffix: auto-gcnow/context); "
                          "a suffix /batch asks each step "
-                         "in one batch_next_token_logprobs call, /coroutine wraps each query in "
+                         "in one batch_next_token_logprobs call (/batch-context: over "
+                         "lm.context objects), /coroutine wraps each query in "
                          "a coroutine (a task each), /context asks with lm.context objects "
                          "extended by + (no list compared per step); default auto); the "
                          "first is reported as 'genback', the others as 'genback[mode]'")

@@ -134,13 +134,15 @@ def reference_rows(model, contexts) -> list[torch.Tensor]:
                 for c in contexts]
 
 
-async def asyncio_floor(n: int, steps: int) -> float:
+async def asyncio_floor(n: int, steps: int, coroutines: bool = True) -> float:
     """The caller's CPU µs per query of the same ``gather`` with no genback in it: ``n``
     futures, all resolved together by a callback once the last one is in (as the batcher
-    resolves a batch): the futures, ``gather``'s callbacks and wake-ups that any awaitable API
-    costs this client at least (``next_token_logprobs`` hands out its future itself,
-    :mod:`genback.batching.futures`; a coroutine per query, each wrapped in a task by ``gather``,
-    costs ~4 µs more a query on this project's CPU)."""
+    resolves a batch), each awaited by a coroutine of its own (``coroutines``: what a coroutine
+    function per query costs, genlm-backend's shape and genback's since issue 67,
+    :mod:`genback.batching.futures`; ``gather`` wraps each in a task, ~4 µs a query on this
+    project's CPU) or gathered as they are (the floor of an API that hands out futures, which
+    asyncio's ``wait`` cannot take together with ``create_task``): the futures, ``gather``'s
+    callbacks and wake-ups that such an API costs this client at least."""
     loop = asyncio.get_running_loop()
     futures: list[asyncio.Future] = []
 
@@ -159,10 +161,17 @@ async def asyncio_floor(n: int, steps: int) -> float:
     for step in range(steps + 1):
         futures.clear()
         t = time.thread_time()
-        await asyncio.gather(*(one() for _ in range(n)))
+        if coroutines:
+            await asyncio.gather(*(_awaiting(one()) for _ in range(n)))
+        else:
+            await asyncio.gather(*(one() for _ in range(n)))
         if step:  # (the first step warms up)
             spent += time.thread_time() - t
     return spent * 1e6 / (n * steps)
+
+
+async def _awaiting(future):
+    return await future
 
 
 def smc_choice(rows, resample: bool, gen) -> tuple[list[int], list[int] | None]:
@@ -207,7 +216,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     gen = torch.Generator().manual_seed(seed)
     width = model.get_output_embeddings().weight.shape[0]
     parts = [text_ids(tok, context)] * n
-    if api == "context":  # (smc_advance's p + [t] extends them as it extends lists)
+    if api in ("context", "batch-context"):  # (smc_advance's p + [t] extends them as lists)
         parts = [lm.context(parts[0])] * n
     answered, rows_ok = 0, True
     ctx_gc = 0.0
@@ -237,7 +246,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     refs = reference_rows(model, [list(parts[i]) for i in picked])
     err = max((float((rows[i] - ref).abs().max()) for i, ref in zip(picked, refs)), default=0.0)
     distinct = len({tuple(p) for p in parts})
-    floor = await asyncio_floor(n, steps)
+    floor = await asyncio_floor(n, steps, coroutines=not api.startswith("batch"))
     per = clock.per_query()
     hand = None
     if loop and host_loop.kv_bytes(model, n, context) <= host_loop.MAX_LOOP_KV_BYTES:
@@ -363,10 +372,12 @@ def parse(argv=None):
                    help="skip the hand-written loop (host_loop.py) run after each cell")
     p.add_argument("--decode", default="auto", choices=["auto", "graphs", "eager", "off"],
                    help="AsyncTransformer's decode mode (default auto: the tree path on the CPU)")
-    p.add_argument("--api", default="gather", choices=["gather", "coroutine", "batch", "context"],
+    p.add_argument("--api", default="gather",
+                   choices=["gather", "coroutine", "batch", "context", "batch-context"],
                    help="a step as a gather of next_token_logprobs calls (default), of a "
                         "coroutine around each, or one batch_next_token_logprobs call; context: "
-                        "a gather over lm.context objects extended by +")
+                        "a gather over lm.context objects extended by +; batch-context: one "
+                        "batch_next_token_logprobs call over lm.context objects")
     p.add_argument("--compare-worker", type=int, default=0, metavar="K",
                    help="run each cell K times in alternation with every batch on the worker "
                         "thread (the batcher's inline_cohort off, rows 'tiny/worker'; each route "

@@ -134,10 +134,10 @@ class StepClock:
 async def ask(lm, contexts, api: str = "gather"):
     """One step's rows: ``gather`` of one ``next_token_logprobs`` per context (what llamppl's
     particles do; ``coroutine``: each wrapped in a coroutine of its own; ``context``: the
-    contexts are ``lm.context`` objects, asked alike), or one
-    ``batch_next_token_logprobs`` call (genlm-control's ``PromptedLLM``; its ``[N, V]`` tensor,
-    unbound into rows for the trace)."""
-    if api == "batch":
+    contexts are ``lm.context`` objects, asked alike), or one ``batch_next_token_logprobs``
+    call (``batch``, genlm-control's ``PromptedLLM``; ``batch-context`` over ``lm.context``
+    objects; its ``[N, V]`` tensor unbound into rows for the trace)."""
+    if api in ("batch", "batch-context"):
         return (await lm.batch_next_token_logprobs(contexts)).unbind(0)
     if api == "coroutine":
         return await asyncio.gather(*(_awaited(lm.next_token_logprobs(c)) for c in contexts))
@@ -145,6 +145,7 @@ async def ask(lm, contexts, api: str = "gather"):
 
 
 async def _awaited(awaitable):
-    """``--api coroutine``: a query wrapped in a coroutine of its own (a task each in a gather:
-    what every query cost while ``next_token_logprobs`` was a coroutine function)."""
+    """``--api coroutine``: a query wrapped in a coroutine of its own (a task each in a gather,
+    and a second coroutine per query since ``next_token_logprobs`` is a coroutine function
+    again, issue 67)."""
     return await awaitable

@@ -1,7 +1,8 @@
-"""``next_token_logprobs`` hands out the batcher's future itself (``genback.batching.futures``): a gather
-of queries runs no task per query, and everything that takes a coroutine or an awaitable still
-works: ``await``, ``gather``, ``create_task`` (and its cancellation), ``wait_for``, a call made
-outside a loop, bad input failing its caller alone."""
+"""A query's awaitable (``genback.batching.futures``): every query method is a coroutine function, as
+genlm-backend's, so everything that takes a coroutine or an awaitable works (``await``, ``gather``,
+``create_task``, ``ensure_future`` + ``wait``, ``wait_for``; ``tests/test_asyncio_idioms.py`` runs
+every idiom on every method); a step asked as one ``batch_next_token_logprobs`` call runs no task
+per query; a call made outside a loop runs later; bad input fails its caller alone."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import inspect
 
 import pytest
 import torch
-
-from genback.batching.futures import QueryFuture, done_future, failed_future
 
 
 def _counting_tasks(loop) -> list:
@@ -27,7 +26,7 @@ def _counting_tasks(loop) -> list:
     return made
 
 
-async def test_a_gather_of_queries_creates_no_task_and_rows_are_exact(tiny_lm):
+async def test_a_batch_step_creates_no_task_a_gather_one_per_query(tiny_lm):
     prompt = list(range(10, 60))
     particles = [prompt + [p] for p in range(16)]
     await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in particles))
@@ -36,28 +35,38 @@ async def test_a_gather_of_queries_creates_no_task_and_rows_are_exact(tiny_lm):
     try:
         for step in range(3):
             particles = [c + [200 + step] for c in particles]
-            awaitables = [tiny_lm.next_token_logprobs(c) for c in particles]
-            assert all(type(a) is QueryFuture for a in awaitables)
-            rows = await asyncio.gather(*awaitables)
-            assert made == []  # (a coroutine per query made 16 tasks a step)
+            rows = await tiny_lm.batch_next_token_logprobs(particles)
+            assert made == []  # (one future for the step's queries: genback.batching.groups)
             for c, row in zip(particles, rows):
                 torch.testing.assert_close(row, tiny_lm.next_token_logprobs_uncached(c),
                                            rtol=0, atol=1e-5)
+        particles = [c + [300] for c in particles]
+        rows = await asyncio.gather(*(tiny_lm.next_token_logprobs(c) for c in particles))
+        assert len(made) == len(particles)  # (gather wraps each coroutine in a task)
+        for c, row in zip(particles, rows):
+            torch.testing.assert_close(row, tiny_lm.next_token_logprobs_uncached(c),
+                                       rtol=0, atol=1e-5)
     finally:
         loop.set_task_factory(None)
 
 
-async def test_create_task_and_wait_for_take_the_future(tiny_lm):
+async def test_the_query_is_a_coroutine_not_a_future(tiny_lm):
     ctx = list(range(300, 340))
     want = tiny_lm.next_token_logprobs_uncached(ctx)
-    assert asyncio.iscoroutine(tiny_lm.next_token_logprobs(ctx + [1]))
+    query = tiny_lm.next_token_logprobs(ctx + [1])
+    assert asyncio.iscoroutine(query) and inspect.iscoroutine(query)
+    assert not asyncio.isfuture(query)  # (else ensure_future hands it to wait as it is)
+    task = asyncio.ensure_future(query)
+    assert isinstance(task, asyncio.Task)
+    await asyncio.wait([task])
+    torch.testing.assert_close(task.result(), tiny_lm.next_token_logprobs_uncached(ctx + [1]),
+                               rtol=0, atol=1e-5)
     row = await asyncio.create_task(tiny_lm.next_token_logprobs(ctx))
     torch.testing.assert_close(row, want, rtol=0, atol=1e-5)
     row = await asyncio.wait_for(tiny_lm.next_token_logprobs(ctx + [2]), timeout=600)
     torch.testing.assert_close(row, tiny_lm.next_token_logprobs_uncached(ctx + [2]), rtol=0,
                                atol=1e-5)
-    if hasattr(inspect, "markcoroutinefunction"):  # (Python >= 3.12)
-        assert inspect.iscoroutinefunction(tiny_lm.next_token_logprobs)
+    assert inspect.iscoroutinefunction(tiny_lm.next_token_logprobs)
 
 
 async def test_a_cancelled_task_cancels_its_query_and_the_others_are_served(tiny_hf, gpt2_tok):
@@ -69,8 +78,8 @@ async def test_a_cancelled_task_cancels_its_query_and_the_others_are_served(tiny
         kept = [asyncio.create_task(lm.next_token_logprobs(base + [i])) for i in range(3)]
         dropped = asyncio.create_task(lm.next_token_logprobs(base + [99]))
         early = asyncio.create_task(lm.next_token_logprobs(base + [98]))
-        early.cancel()  # (before its first step: it never waits on the future)
-        await asyncio.sleep(0)  # (each task has queued its query; the batch waits)
+        early.cancel()  # (before its first step: its query is never asked)
+        await asyncio.sleep(0)  # (each other task has queued its query; the batch waits)
         assert len(lm.scheduler.pending(asyncio.get_running_loop())) == 4
         dropped.cancel()
         lm.scheduler.flush(asyncio.get_running_loop())
@@ -97,13 +106,12 @@ async def test_bad_input_fails_where_awaited_and_alone(tiny_lm):
         await tiny_lm.next_token_logprobs("not ids")
 
 
-async def test_a_cached_row_is_a_done_future_of_the_callers_own_copy(tiny_lm):
+async def test_a_cached_row_is_the_callers_own_copy_without_a_batch(tiny_lm):
     ctx = list(range(600, 640))
     first = await tiny_lm.next_token_logprobs(ctx)
-    hits = tiny_lm.cache_info()["row_hits"]
-    again = tiny_lm.next_token_logprobs(ctx)
-    assert again.done()
-    row = await again
+    hits, batches = tiny_lm.cache_info()["row_hits"], tiny_lm.cache_info()["batches"]
+    row = await tiny_lm.next_token_logprobs(ctx)
+    assert tiny_lm.cache_info()["batches"] == batches
     assert tiny_lm.cache_info()["row_hits"] == hits + 1
     row += 1.0  # the caller's own: neither the first caller's row nor the cache's changes
     torch.testing.assert_close(await tiny_lm.next_token_logprobs(ctx), first, rtol=0, atol=0)
@@ -121,25 +129,3 @@ def test_outside_a_loop_it_is_a_coroutine_run_later(tiny_hf, gpt2_tok):
         torch.testing.assert_close(row, lm.next_token_logprobs_uncached(ctx), rtol=0, atol=1e-5)
     finally:
         lm.close()
-
-
-async def test_query_future_as_a_coroutine_of_a_task():
-    loop = asyncio.get_running_loop()
-    pending = QueryFuture(loop=loop)
-    task = asyncio.create_task(pending)
-    await asyncio.sleep(0)
-    assert not task.done()  # waits on the future it yielded
-    pending.set_result(7)
-    assert await task == 7
-    assert await asyncio.create_task(done_future(loop, 8)) == 8
-    with pytest.raises(KeyError):
-        await asyncio.create_task(failed_future(loop, KeyError("x")))
-    waiting = QueryFuture(loop=loop)
-    task = asyncio.create_task(waiting)
-    await asyncio.sleep(0)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert waiting.cancelled()  # (the batcher leaves a cancelled caller's query out)
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(QueryFuture(loop=loop), timeout=0.01)

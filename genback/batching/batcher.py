@@ -48,7 +48,6 @@ from ..cpython import held_inline, hold_collections, release
 from .pending import (Entry, LoopState, fail_entries, fail_threadsafe, live_entries,
                       release_closed_holds)
 from .groups import Member, QueryGroup
-from .futures import QueryFuture
 
 
 class BatchAbandoned(RuntimeError):
@@ -133,10 +132,11 @@ class Batcher:
 
     def enqueue(self, key: Hashable, query: Any) -> asyncio.Future:
         """Queue ``query`` now (call it on a running event loop's thread); return the future of
-        its result (a :class:`~genback.batching.futures.QueryFuture`: ``asyncio.create_task`` takes it
-        too), which fails as :meth:`submit` raises."""
+        its result (a plain :class:`asyncio.Future` of the loop: the caller's coroutine awaits
+        it, :mod:`genback.batching.futures`), which fails as :meth:`submit` raises; cancelling it
+        drops the query unless another caller waits for it."""
         loop, state = self._open_state()
-        future = QueryFuture(loop=loop)
+        future = loop.create_future()
         with self._lock:
             self._add(state, loop, key, query, future)
             ready, check = self._decide(state)

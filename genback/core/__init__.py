@@ -9,8 +9,8 @@ A query takes one path through them (``await lm.next_token_logprobs(ids)``):
    engines that schedule themselves) collects queries and calls the runner's ``run`` on its
    worker thread (a lockstep step on the event loop's thread); the rows come back to the front,
    which stores them in the output cache, gives
-   each caller its own copy, and resolves the caller's future: the very awaitable that
-   ``next_token_logprobs`` returned (:mod:`genback.batching.futures`: no task per query).
+   each caller its own copy, and resolves the caller's future, which the coroutine that
+   ``next_token_logprobs`` returned awaits (:mod:`genback.batching.futures`).
 
 :mod:`.decoding` (sampling loops over decoding steps) and :mod:`.queue_api` (genlm-backend's
 queue names) sit beside ``AsyncLM``; :mod:`.batch_options` is the batcher's two settings as the

@@ -8,7 +8,7 @@ forward lock, which serialises the runner's use; and the scheduler, built from w
 declares (:class:`~genback.batching.runner.Capabilities`): genback's :class:`~genback.batching.batcher.Batcher`, or
 :class:`~genback.batching.immediate.Immediate` for a runner whose engine batches by itself.
 
-Five ways in, and the path each takes:
+Four ways in, and the path each takes:
 
 * :meth:`Front.ask` (``await``): :meth:`Front.lookup` (counted; a cached row is answered at
   once), else :meth:`Front.submit`: the scheduler's future. The batcher runs its batches on its
@@ -17,15 +17,11 @@ Five ways in, and the path each takes:
   without the calling thread's autocast (:func:`no_autocast`), next-token rows are stored in
   the output cache, and each caller gets a row of its own (:mod:`genback.queries.rows`). With
   ``Immediate``, each query goes to the runner's ``answer_shared`` and its row is stored.
-* :meth:`Front.next_token_row` (``next_token_logprobs``): the same lookup, and the batcher's
-  future itself handed out (:mod:`genback.batching.futures`: no task per query in a gather).
-* :meth:`Front.lookup` then :meth:`Front.submit`, for callers that await the future themselves
-  (the decoding loop: no coroutine of its own per query).
+* :meth:`Front.next_token_lookup` (``next_token_logprobs``, :mod:`genback.batching.futures`) or
+  :meth:`Front.lookup`, then :meth:`Front.submit`: for callers that await the future themselves.
 * :meth:`Front.ask_sync`: distinct queries computed on the calling thread in one batch, by the
   same compute step.
-
-The queries themselves are built by :meth:`Front.next_token` and :meth:`Front.score` from
-checked ids (:meth:`Front.tokens` checks ids alone).
+Queries are built by :meth:`Front.next_token` and :meth:`Front.score` from checked ids.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ from .adapters import Adapters
 from .autocast import no_autocast
 from .batch_options import BatchOptions
 from .inputs import ContextChecker, check_lora, check_positive_int
-from ..batching.futures import done_future, failed_future
 from ..queries.rows import copy_result, kept_copies, own, owned_copies
 
 
@@ -82,9 +77,11 @@ class Front(BatchOptions):
         else:
             self.scheduler = Batcher(self._compute_owned, window=batch_window,
                                      max_batch_size=size, copy=copy_result)
-        # what ask awaits: the batcher's future itself (no coroutine of its own around it)
         self.batched = isinstance(self.scheduler, Batcher)
-        self._submit = self.scheduler.enqueue if self.batched else self.scheduler.submit
+        # enqueue(key, query): the batcher's future of a counted query's result (what ask
+        # awaits), or the engine's coroutine of it (the caller copies a next-token row: owned)
+        self.enqueue = self._submit = (self.scheduler.enqueue if self.batched
+                                       else self.scheduler.submit)
         self._stats_lock = threading.Lock()
         self.queries = 0
         self.tokens_queried = 0
@@ -162,9 +159,9 @@ class Front(BatchOptions):
         if self.scheduler.closed:
             raise BatcherClosed("the model was closed (aclose); no more queries are served")
 
-    def count(self, n_tokens: int) -> None:
+    def count(self, n_tokens: int, n_queries: int = 1) -> None:
         with self._stats_lock:
-            self.queries += 1
+            self.queries += n_queries
             self.tokens_queried += n_tokens
 
     # -- the path -------------------------------------------------------------------------------
@@ -191,30 +188,7 @@ class Front(BatchOptions):
         self.count(query.n_tokens)
         return self.cache.get(query) if query.cacheable else None
 
-    def next_token_row(self, token_ids, lora_name):
-        """The awaitable of ``next_token_logprobs(token_ids, lora_name)``: the caller's own row
-        (float32 ``[V]``). On a running event loop with genback's batcher it is a
-        :class:`~genback.batching.futures.QueryFuture`: the batcher's own future of the query, or one
-        done already (a cached row's copy, or the ``TypeError`` / ``ValueError`` of bad input,
-        raised where it is awaited), so a gather of queries runs no task per query
-        (:mod:`genback.batching.futures`); otherwise a coroutine (:meth:`_next_token_row`)."""
-        if self.batched:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # (called outside a loop: the coroutine, awaited later)
-                return self._next_token_row(token_ids, lora_name)
-            try:
-                query, row = self._next_token_lookup(token_ids, lora_name)
-                return self._submit(query, query) if row is None else done_future(loop, own(row))
-            except Exception as exc:  # fails this caller alone, where it awaits
-                return failed_future(loop, exc)
-        return self._next_token_row(token_ids, lora_name)
-
-    async def _next_token_row(self, token_ids, lora_name):
-        query, row = self._next_token_lookup(token_ids, lora_name)
-        return own(row) if row is not None else self.owned(await self.submit(query))
-
-    def _next_token_lookup(self, token_ids, lora_name) -> tuple[NextToken, object]:
+    def next_token_lookup(self, token_ids, lora_name) -> tuple[NextToken, object]:
         """``(query, cached row or None)`` of a next-token query, checked and counted:
         :meth:`next_token` then :meth:`lookup`, in one frame (an SMC step's hot path: each
         call of a query's way in is host work the step's forward waits for, issue 38).
@@ -235,6 +209,36 @@ class Front(BatchOptions):
             self.queries += 1
             self.tokens_queried += n
         return query, self.cache.get(query)
+
+    def next_token_many(self, contexts: list, lora_name) -> tuple[list[NextToken], list]:
+        """``(queries, cached rows or None)`` of ``batch_next_token_logprobs(contexts)``: each
+        context checked (as :meth:`next_token_lookup`, one frame for all), then all counted and
+        looked up in the output cache, each under one lock.
+
+        Raises:
+            TypeError / ValueError: a bad context (the message names ``token_ids_list[i]``), or
+                an unknown ``lora_name``.
+            BatcherClosed: the model was closed.
+        """
+        adapter = None if lora_name is None else self.adapter_key(lora_name)
+        check, limit = self.contexts.check_context, self.max_context_length
+        queries = []
+        tokens = 0
+        try:
+            for ids in contexts:
+                ctx, h, parent = check(ids)
+                n = ctx._n
+                if limit and n > limit:
+                    raise context_too_long(n, limit, "token_ids")
+                queries.append(NextToken(ctx, adapter, tokens_hash=h, parent=parent, n_tokens=n))
+                tokens += n
+        except (TypeError, ValueError):  # (named again by the context that failed)
+            i = len(queries)
+            self.checked(contexts[i], f"token_ids_list[{i}]")
+            raise
+        self.check_open()
+        self.count(tokens, len(queries))
+        return queries, self.cache.get_many(queries)
 
     def submit(self, query: Query):
         """The awaitable result of a counted ``query`` that :meth:`lookup` did not find (the

@@ -13,8 +13,6 @@ public methods only. Every public method takes the front's one path; the backend
 from __future__ import annotations
 
 import asyncio
-import inspect
-from typing import Awaitable
 
 import torch
 
@@ -176,13 +174,15 @@ class AsyncLM:
         Raises TypeError / ValueError on bad ``token_ids`` (as :meth:`next_token_logprobs`)."""
         return self.front.checked(token_ids)[0]
 
-    def next_token_logprobs(self, token_ids, lora_name=None) -> Awaitable[torch.Tensor]:
-        """Log-probs of the next token after ``token_ids``, awaited; concurrent calls are batched.
-        The awaitable (``gather``, ``create_task``, ``wait_for`` take it) is the query's future
-        itself on a loop with genback's batcher (:mod:`genback.batching.futures`), else a coroutine.
+    async def next_token_logprobs(self, token_ids, lora_name=None) -> torch.Tensor:
+        """Log-probs of the next token after ``token_ids``; concurrent calls are batched.
+        A coroutine function, as genlm-backend's: every asyncio idiom works, and cancelling
+        the caller drops its query from the pending batch (:mod:`genback.batching.futures`); a
+        whole step costs less as one :meth:`batch_next_token_logprobs` call.
 
         Args:
-            token_ids: the context, a non-empty list (or 1-D int array) of ids in ``[0, V)``.
+            token_ids: the context, a non-empty list (or 1-D int array) of ids in ``[0, V)``,
+                or an :meth:`context` object.
             lora_name: None for the base model, or the name of a LoRA adapter registered with
                 ``add_new_lora`` (backends that serve adapters).
 
@@ -191,20 +191,21 @@ class AsyncLM:
             on the model's device on AsyncTransformer (``row_device``), else on the CPU.
 
         Raises:
-            TypeError / ValueError (where awaited): bad ``token_ids`` or an unknown ``lora_name``
-                (only this caller fails); ValueError also when its adapter is removed meanwhile.
+            TypeError / ValueError: bad ``token_ids`` or an unknown ``lora_name`` (only this
+                caller fails); ValueError also when its adapter is removed meanwhile.
             BatcherClosed: the model was closed or reset while the query waited.
         """
-        return self.front.next_token_row(token_ids, lora_name)
-
-    if hasattr(inspect, "markcoroutinefunction"):  # (Python >= 3.12: a coroutine function)
-        inspect.markcoroutinefunction(next_token_logprobs)
+        front = self.front
+        query, row = front.next_token_lookup(token_ids, lora_name)
+        if row is not None:
+            return own(row)
+        if front.batched:  # (the batcher's rows are the callers' own already)
+            return await front.enqueue(query, query)
+        return own(await front.enqueue(query, query))
 
     def next_token_logprobs_sync(self, token_ids, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`next_token_logprobs`; works inside a running loop too.
-
-        It computes on the calling thread (no batching) and shares the caches.
-        """
+        It computes on the calling thread (no batching) and shares the caches."""
         front = self.front
         return own(front.ask_sync([front.next_token(token_ids, front.adapter_key(lora_name))])[0])
 
@@ -218,13 +219,13 @@ class AsyncLM:
                 context is bad (as :meth:`next_token_logprobs`), or ``lora_name`` is unknown.
             BatcherClosed: the model was closed or reset while the queries waited.
         """
-        front, adapter = self.front, self.front.adapter_key(lora_name)
-        queries = [front.next_token(ids, adapter, f"token_ids_list[{i}]") for i, ids in
-                   enumerate(check_list(token_ids_list, "token_ids_list"))]  # (all, then queued)
-        rows = [front.lookup(q) for q in queries]
-        # one future for the uncached rows (no task, future or wake-up per context)
+        front = self.front  # (all checked and counted, then queued: one future for the new rows)
+        queries, rows = front.next_token_many(check_list(token_ids_list, "token_ids_list"),
+                                              lora_name)
         todo = [i for i, row in enumerate(rows) if row is None]
-        if todo:
+        if len(todo) == len(rows):  # (an SMC step: every row new)
+            rows = await front.submit_many(queries)
+        elif todo:
             for i, row in zip(todo, await front.submit_many([queries[i] for i in todo])):
                 rows[i] = row
         return torch.stack(rows)
