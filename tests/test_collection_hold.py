@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from genback import batcher as batcher_module
+from genback.batching import batcher as batcher_module
 from genback import cpython
 from genback.batching.batcher import Batcher, BatcherClosed
 from genback.llm import AsyncTransformer

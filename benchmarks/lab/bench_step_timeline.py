@@ -62,7 +62,7 @@ class Clocks:
     """Wraps the hand-off points and keeps the last step's times (``perf_counter`` s)."""
 
     def __init__(self):
-        from genback import batcher
+        from genback.batching import batcher
         from genback.core import front
         from genback.core.output_cache import OutputCache
         from genback.llm.hf import runner

@@ -70,8 +70,8 @@ class TreeForward:
         input_ids, positions, n_new = model_inputs(paths, self.pad_id)
         R, m = input_ids.shape
         spans = None if uniform else output_spans(paths)
-        min_saved = 0
-        if m > 1 and varlen.kernel_for(pool.device, pool.dtype, pool.dim) is not None:
+        min_saved, kernel = 0, varlen.kernel_for(pool.device, pool.dtype, pool.dim)
+        if m > 1 and kernel is not None:
             # rows packed end to end, no padding (the private part's kernel takes them so)
             input_ids, positions, spans = packed(input_ids, positions, n_new, spans)
             min_saved = self.packed_min_saved_tokens
@@ -90,7 +90,7 @@ class TreeForward:
                 layout, shared = np.concatenate([past, slots], axis=1), _renumber(
                     last.prefix, rows, len(last.pads))
                 self.lane_steps += 1
-            batch = _tree_batch(pool, shared, layout, pads, slots, R, m, self._segments)
+            batch = _tree_batch(kernel, pool, shared, layout, pads, slots, R, m, self._segments)
             with attention.active(batch), attention.use_tree_attention(self.model.config):
                 _, logits = run_model(self.model, input_ids, positions, spans,
                                       TreeCache(batch), device=pool.device)
@@ -123,9 +123,10 @@ def _renumber(shared: list, rows: np.ndarray, last_rows: int) -> list:
     return out
 
 
-def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
-                known: dict | None = None) -> attention.TreeBatch:
-    """The :class:`.attention.TreeBatch` of a forward of ``R`` rows of ``m`` new tokens:
+def _tree_batch(kernel: str | None, pool: KVPool, shared: list, layout, pads, slots, R: int,
+                m: int, known: dict | None = None) -> attention.TreeBatch:
+    """The :class:`.attention.TreeBatch` of a forward of ``R`` rows of ``m`` new tokens whose
+    private attention runs in ``kernel`` (:func:`.varlen.kernel_for`; None: the masked path):
     ``shared`` segments ``(slots, rows)`` read in place; ``layout`` ``int64 [R, P + m]`` each
     row's left-padded private past and new tokens, ``pads`` ``int64 [R]`` its padding; ``slots``
     ``int64 [R, m]`` the new tokens' slots. ``known``: each shared array's first slot of its
@@ -134,7 +135,6 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
     dev = pool.device
     cpu = dev.type == "cpu"  # (there a host tensor needs no .to: a dispatch that changes nothing)
     P = layout.shape[1] - m
-    kernel = varlen.kernel_for(dev, pool.dtype, pool.dim)
     if kernel is not None:
         return _varlen_batch(kernel, pool, shared, layout, pads, slots, R, m, known)
     # built in NumPy, one tensor at the end (a torch op on small tensors costs several times a
@@ -154,7 +154,7 @@ def _tree_batch(pool: KVPool, shared: list, layout, pads, slots, R: int, m: int,
         index = torch.from_numpy(layout.ravel())
         index = index if cpu else index.to(dev)
         out = torch.empty((2, pool.heads, R * (P + m), pool.dim), dtype=pool.dtype, device=dev)
-    segments = _segments(pool, shared, R, known)
+    segments = _segments(pool, shared, R, known) if shared else []
     slots = torch.from_numpy(slots.ravel())
     mask = None if mask is None else torch.from_numpy(mask)
     if not cpu:

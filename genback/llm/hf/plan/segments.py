@@ -264,8 +264,9 @@ def split_segments(paths: list, min_shared_tokens: int, shared_by_all: bool = Fa
     """
     R = len(paths)
     can_share = R >= (1 if shared_by_all else 2)
-    # a segment on every path saves (R - 1) * its length: the length that saves enough
-    min_every = max(min_shared_tokens, -(-min_saved_tokens // max(R - 1, 1)))
+    min_every = min_shared_tokens
+    if min_saved_tokens and R > 1:  # a segment on every path saves (R - 1) * its length
+        min_every = max(min_shared_tokens, -(-min_saved_tokens // (R - 1)))
     key = (paths[0].adapter if paths else None, min_every, can_share)
     table, above, fell_back = _table(paths, anchors, key)
     top = table.common()
@@ -337,7 +338,9 @@ def _below(table: SegmentTable, chains: np.ndarray, shared: list, joined,
     lengths = np.array(table.lengths, dtype=np.int64)
     count = np.bincount(chains[chains >= 0], minlength=S)
     enough = count == R if shared_by_all else count >= 2
-    is_shared = enough & (lengths >= min_shared_tokens) & ((count - 1) * lengths >= min_saved_tokens)
+    is_shared = enough & (lengths >= min_shared_tokens)
+    if min_saved_tokens:
+        is_shared &= (count - 1) * lengths >= min_saved_tokens
     is_private = count > 0  # (the common entries are on no chain: they are counted 0)
     if is_shared.any():
         shared_at = np.flatnonzero(is_shared)
