@@ -4,7 +4,14 @@ Four measured tricks that lean on how CPython lays out and tracks objects. Each 
 changes no result, only the host time of serving), each checks itself and steps aside where its
 facts do not hold (another implementation, a build without the GIL, a self-test that disagrees),
 and all four are turned off together by the environment variable ``GENBACK_CPYTHON_SPEEDUPS=0``
-(read at import; :data:`ENABLED`):
+(read at import; :data:`ENABLED`). Each checks its own premise at import, on the running
+interpreter, by what it observes rather than by its version number (the object layout by a
+comparison of known objects, untracking by ``gc.is_tracked``, the hold by counting the
+collections that allocations start with the threshold low and raised, through ``gc.callbacks``),
+and where a premise does not hold that trick steps aside, with a debug line on this module's
+logger and its reason in :data:`STEPPED_ASIDE`. Tested (CI) on CPython 3.11 and 3.13 with the GIL
+(every premise holds there, and on 3.12.1, checked by hand); each trick below names the versions
+its gain was measured on (``notes/i65.md``: the commands and numbers):
 
 1. **Identity of a context's items** (:func:`same_items`). An SMC program extends each
    particle's context by one token per step and passes it as a new list (``context +
@@ -18,22 +25,30 @@ and all four are turned off together by the environment variable ``GENBACK_CPYTH
    pointers follow its variable-size header (``tuple.__basicsize__`` bytes from ``id()``); a
    list's header is followed by a pointer to its item array; ``memcmp`` is called through
    ``ctypes.PyDLL``, which keeps the GIL held, so no other thread can resize the list meanwhile.
+   Measured on 3.11 (above) and 3.13 (4,000 items, one loaded core: by identity 12 / 27 us, by
+   value 294 / 242 us on 3.11 / 3.13).
 2. **Untracking validated contexts** (:func:`untrack_ids`). A new tuple is tracked by the cyclic
    garbage collector until a collection finds only atomic items and untracks it
    (``_PyTuple_MaybeUntrack``), walking it three times first: ~6.5 ns per token (0.7 us per
    query at 100 tokens, 6.5 us at 1,000, ~100 us at 16,000). A tuple of exact ints can never be
    in a cycle, so ``PyObject_GC_UnTrack`` (through ``ctypes.pythonapi``, GIL held) does at once
-   what that collection would do.
+   what that collection would do. Measured on 3.11 and 3.13 (a young collection after a new
+   1,000-int tuple, one loaded core: 104 / 64 us tracked, 24 / 22 us untracked); its premise (a new tuple of ints is
+   tracked, and the call untracks it) is checked at import: where tuples of atomic items are not
+   tracked at creation there is nothing to do, and it steps aside.
 3. **Freezing the startup heap** (:func:`freeze_startup_heap`). Loading torch, transformers and
    a model leaves ~0.5 million tracked objects; each full collection walks them all (~250 ms with
    transformers loaded, about 50 us per query of an SMC step averaged over a run,
    ``benchmarks/bench_host.py``). At the first model's construction every object alive is
    collected, then frozen (``gc.freeze``), as vLLM does after its server starts
    (``vllm.utils.gc_utils.freeze_gc_heap``). Frozen objects are still freed by reference
-   counting; at exit they are unfrozen, so shutdown finalises them as usual.
+   counting; at exit they are unfrozen, so shutdown finalises them as usual. Measured on 3.11 and
+   3.13 (torch and transformers loaded, one loaded core: a full collection 1,070 / 1,378 ms, then
+   ~0 once frozen); its effect (frozen objects leave the generations a collection walks) is
+   counted in the tests on each version.
 4. **Young collections after the launch** (:func:`hold_collections`, :func:`forward_issued`).
    A young-generation collection runs when allocations outnumber deallocations by the first
-   threshold (700), wherever that happens, and walks every container made since the last one:
+   threshold (700 through 3.12, 2,000 from 3.13), wherever that happens, and walks every container made since the last one:
    in an SMC step, the caller's new context lists among them (256 lists of 4,000 ids are a
    million items). On a GPU, the host's work before a step's launch is serial with the device
    (``benchmarks/RESULTS.md``, session 61: a step is that work plus the GPU's), so a collection
@@ -47,8 +62,10 @@ and all four are turned off together by the environment variable ``GENBACK_CPYTH
    :data:`HELD_THRESHOLD` allocations apart until the batcher serves another loop or closes. A
    threshold changed by the program meanwhile is left as it set it. On for CUDA models (on the
    CPU the forward is the host's own work, and a collection costs the same before or after it).
-   Measured on this project's CPU (the way into a 256-query step, lists of 4,000 ids: 12.2 ms
-   with collections in it, 3.8-5.2 without).
+   Measured on this project's CPU (the way into a 256-query step, lists of 4,000 ids), on 3.11:
+   12.2 ms with collections in it, 3.8-5.2 without; on 3.13 (threshold 2,000) the hold still
+   takes them out of the way in (``notes/i65.md``). Its premise (raising the first threshold
+   defers the collections allocation starts) is counted at import.
 """
 
 from __future__ import annotations
@@ -57,6 +74,7 @@ import atexit
 import contextlib
 import ctypes
 import gc
+import logging
 import os
 import sys
 import sysconfig
@@ -68,6 +86,26 @@ ENABLED = os.environ.get("GENBACK_CPYTHON_SPEEDUPS", "1").strip().lower() not in
 import; ``0`` turns all four off: contexts are compared by value, no tuple is untracked, the
 heap is not frozen, no collection is held)."""
 
+log = logging.getLogger(__name__)
+
+STEPPED_ASIDE: dict[str, str] = {}
+"""The tricks that are off in this process, by name (``"same_items"``, ``"untrack_ids"``,
+``"freeze_startup_heap"``, ``"hold_collections"``), each with the reason (the switch, or a premise
+that does not hold on this interpreter); empty where all four act."""
+
+_PYTHON = f"{sys.implementation.name} {sys.version.split()[0]}"
+
+
+def _step_aside(trick: str, why: str) -> None:
+    STEPPED_ASIDE[trick] = why
+    if ENABLED:
+        log.debug("genback.cpython: %s steps aside on %s: %s", trick, _PYTHON, why)
+
+
+if not ENABLED:
+    for _trick in ("same_items", "untrack_ids", "freeze_startup_heap", "hold_collections"):
+        _step_aside(_trick, "GENBACK_CPYTHON_SPEEDUPS=0")
+
 # -- 1. identity of a context's items -----------------------------------------------------------
 
 _HEADER = tuple.__basicsize__  # PyObject_VAR_HEAD: where a tuple's items / a list's ob_item lie
@@ -75,13 +113,16 @@ _POINTER = ctypes.sizeof(ctypes.c_void_p)
 
 
 def _load_memcmp():
-    if (not ENABLED or sys.implementation.name != "cpython"
-            or sysconfig.get_config_var("Py_GIL_DISABLED")):
+    if not ENABLED:
         return None
+    if sys.implementation.name != "cpython":
+        return _step_aside("same_items", "not CPython: its object layout is unknown here")
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return _step_aside("same_items", "a build without the GIL: a list may be resized meanwhile")
     try:
         fn = ctypes.PyDLL(None).memcmp  # PyDLL: the GIL stays held during the call
-    except (OSError, AttributeError, TypeError):
-        return None
+    except (OSError, AttributeError, TypeError) as e:
+        return _step_aside("same_items", f"no memcmp through ctypes ({e})")
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return fn
@@ -114,6 +155,7 @@ def _self_test() -> bool:
 
 if _memcmp is not None and not _self_test():  # (a layout this module does not know)
     _memcmp = None
+    _step_aside("same_items", "the self-test of the list / tuple layout disagrees")
 
 AVAILABLE = _memcmp is not None
 
@@ -121,24 +163,32 @@ AVAILABLE = _memcmp is not None
 # -- 2. untracking validated contexts ------------------------------------------------------------
 
 def _gc_untrack():
-    """``PyObject_GC_UnTrack`` of the running CPython, or None (another implementation)."""
-    if not ENABLED or sys.implementation.name != "cpython":
+    """``PyObject_GC_UnTrack`` of the running CPython, or None (another implementation, or its
+    premise does not hold here: :data:`STEPPED_ASIDE`)."""
+    if not ENABLED:
         return None
+    if sys.implementation.name != "cpython":
+        return _step_aside("untrack_ids", "not CPython")
     try:
         fn = ctypes.pythonapi.PyObject_GC_UnTrack
-    except (ImportError, AttributeError, OSError):
-        return None
+    except (ImportError, AttributeError, OSError) as e:
+        return _step_aside("untrack_ids", f"no PyObject_GC_UnTrack through ctypes ({e})")
     fn.argtypes = [ctypes.py_object]
     fn.restype = None
+    probe = tuple(range(1 << 20, (1 << 20) + UNTRACK_MIN))  # (ints beyond the small-int cache)
+    if not gc.is_tracked(probe):
+        return _step_aside("untrack_ids", "a new tuple of ints is not tracked: nothing to untrack")
+    fn(probe)
+    if gc.is_tracked(probe):
+        return _step_aside("untrack_ids", "PyObject_GC_UnTrack left the tuple tracked")
     return fn
-
-
-_untrack = _gc_untrack()
 # shorter tuples cost the collector less than the call. Measured on this project's CPU (Python
 # 3.11, one core): the call ~0.2 µs; the young collection that untracks a surviving tuple itself
 # ~0.09 µs for 10 ints, 0.22 µs for 30, 0.69 µs for 100, 6.5 µs for 1,000 (about 6.5 ns per
 # item: three passes over it). Break-even near 30 items.
 UNTRACK_MIN = 32
+
+_untrack = _gc_untrack()
 
 
 def untrack_ids(ids: tuple) -> tuple:
@@ -159,6 +209,9 @@ def untrack_ids(ids: tuple) -> tuple:
 
 # -- 3. freezing the startup heap -------------------------------------------------------------------
 
+if ENABLED and not all(hasattr(gc, f) for f in ("freeze", "unfreeze", "get_freeze_count")):
+    _step_aside("freeze_startup_heap", "this gc module cannot freeze")
+
 _lock = threading.Lock()
 _done = False
 
@@ -168,7 +221,7 @@ def freeze_startup_heap() -> bool:
     calls do nothing. Returns whether this call froze the heap (False when done already, or when
     the speedups are off: :data:`ENABLED`)."""
     global _done
-    if not ENABLED:
+    if not ENABLED or "freeze_startup_heap" in STEPPED_ASIDE:
         return False
     with _lock:
         if _done:
@@ -229,9 +282,60 @@ class CollectionHold:
                 _saved = None
 
 
+_PROBE = 100  # the first threshold of the import-time count (any young collection is ~1 us)
+
+
+def _count_collections(threshold: int, allocations: int) -> int:
+    """Collections started (``gc.callbacks``) while ``allocations`` new lists are made and kept,
+    with the first threshold ``threshold``; the thresholds are put back."""
+    started = []
+
+    def note(phase, info):
+        if phase == "start":
+            started.append(info.get("generation"))
+    saved = gc.get_threshold()
+    try:
+        gc.collect(0)  # (a young generation of ~0 objects: the count starts here)
+        gc.callbacks.append(note)
+        gc.set_threshold(threshold, *saved[1:])
+        kept = []
+        for _ in range(allocations):
+            kept.append([])
+        return len(started)
+    finally:
+        gc.set_threshold(*saved)
+        if note in gc.callbacks:
+            gc.callbacks.remove(note)
+
+
+def _hold_premise() -> str | None:
+    """None where raising the first threshold defers the collections that allocations start
+    (counted: ``4 * _PROBE`` new lists start some with the threshold at ``_PROBE``, none with it at
+    :data:`HELD_THRESHOLD`); else why not. Not counted when the program turned collections off
+    (then nothing falls anywhere, and a hold only raises a threshold)."""
+    if not gc.isenabled():
+        return None
+    low = _count_collections(_PROBE, 4 * _PROBE)
+    if low == 0:
+        return f"{4 * _PROBE} allocations started no collection at threshold {_PROBE}"
+    held = _count_collections(HELD_THRESHOLD, 4 * _PROBE)
+    if held:
+        return f"{held} collection(s) started with the threshold at {HELD_THRESHOLD}"
+    return None
+
+
+if ENABLED:
+    _why = _hold_premise()
+    if _why is not None:
+        _step_aside("hold_collections", _why)
+
+
 def hold_collections() -> CollectionHold | None:
-    """A new :class:`CollectionHold`, or None when the speedups are off (:data:`ENABLED`)."""
-    return CollectionHold() if ENABLED else None
+    """A new :class:`CollectionHold`, or None when the speedups are off (:data:`ENABLED`) or the
+    hold's premise does not hold on this interpreter (:data:`STEPPED_ASIDE`)."""
+    if not ENABLED or "hold_collections" in STEPPED_ASIDE:
+        return None
+    return CollectionHold()
 
 
 def forward_issued() -> None:
