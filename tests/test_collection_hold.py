@@ -215,16 +215,22 @@ def test_every_way_a_batch_leaves_puts_the_threshold_back():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
 @pytest.mark.skipif(not cpython.ENABLED, reason="GENBACK_CPYTHON_SPEEDUPS=0 turns it off")
 def test_on_cuda_by_default_no_young_collection_before_a_captured_step(tiny_hf, gpt2_tok,
-                                                                       collections):
+                                                                       collections, monkeypatch):
     """A CUDA model's default: held (``defer_collections`` True), through the captured decode
-    step (``decode="auto"``): no collection before any step's forward, the threshold back."""
+    step (``decode="auto"``): no collection from a step's first query joining its batch (the
+    hold taken; ``gather`` makes its tasks before) to its forward, the threshold back."""
     import copy
+
+    def marked_hold():
+        collections.append("held")
+        return cpython.hold_collections()
+    monkeypatch.setattr(batcher_module, "hold_collections", marked_hold)
     before = gc.get_threshold()
     lm = AsyncTransformer(copy.deepcopy(tiny_hf).to("cuda"), gpt2_tok, batch_window=0.01)
     try:
         assert lm.scheduler.defer_collections is True
         _, steps = _smc_steps(lm, collections)
-        assert [_before_forward(s) for s in steps] == [0] * len(steps)
+        assert [_before_forward(s, "held") for s in steps] == [0] * len(steps)
         assert lm.cache_info()["decode_steps"] >= 5
     finally:
         lm.close()

@@ -120,8 +120,8 @@ def _count_unmasked_steps(monkeypatch) -> list:
 
     seen, tree_batch = [], tree._tree_batch
 
-    def counted(pool, shared, layout, pads, slots, R, m, known=None):
-        batch = tree_batch(pool, shared, layout, pads, slots, R, m, known)
+    def counted(kernel, pool, shared, layout, pads, slots, R, m, known=None):
+        batch = tree_batch(kernel, pool, shared, layout, pads, slots, R, m, known)
         if batch.mask is None:
             seen.append(R)
         return batch

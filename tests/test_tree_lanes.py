@@ -33,7 +33,7 @@ def _spy_on_layouts(monkeypatch) -> list:
         current["paths"] = paths
         return run(self, paths, uniform)
 
-    def spy_batch(pool, shared, layout, pads, slots, R, m, known=None):
+    def spy_batch(kernel, pool, shared, layout, pads, slots, R, m, known=None):
         paths = current["paths"]
         if m == 1:
             for i, p in enumerate(paths):
@@ -43,7 +43,7 @@ def _spy_on_layouts(monkeypatch) -> list:
                 got = np.sort(np.concatenate(mine + [layout[i, pads[i]:]]))
                 assert np.array_equal(got, want)
             checked.append(R)
-        return tree_batch(pool, shared, layout, pads, slots, R, m, known)
+        return tree_batch(kernel, pool, shared, layout, pads, slots, R, m, known)
 
     monkeypatch.setattr(tree_forward.TreeForward, "run", spy_run)
     monkeypatch.setattr(tree_forward, "_tree_batch", spy_batch)
@@ -56,8 +56,8 @@ def _spy_on_masks(monkeypatch) -> list:
     seen = []
     tree_batch = tree_forward._tree_batch
 
-    def spy_batch(pool, shared, layout, pads, slots, R, m, known=None):
-        batch = tree_batch(pool, shared, layout, pads, slots, R, m, known)
+    def spy_batch(kernel, pool, shared, layout, pads, slots, R, m, known=None):
+        batch = tree_batch(kernel, pool, shared, layout, pads, slots, R, m, known)
         if m == 1:
             seen.append((bool(pads.any()), batch.mask is None))
         return batch
