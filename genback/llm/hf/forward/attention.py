@@ -248,15 +248,20 @@ def tree_attention(module, query, key, value, attention_mask, scaling=None, drop
         o_s, l_s = _attend(qs, ks[None], vs[None], scale, KERNEL)
         o_s = o_s[0].reshape(Hkv, n, G * m, D).transpose(0, 1).float()
         l_s = l_s[0].reshape(Hkv, n, G * m).transpose(0, 1)
-        if seg.paths is None:
-            out, lse = _merge(out, lse, o_s, l_s)
-        else:
-            o_m, l_m = _merge(out.index_select(0, seg.paths), lse.index_select(0, seg.paths),
-                              o_s, l_s)
-            out.index_copy_(0, seg.paths, o_m)
-            lse.index_copy_(0, seg.paths, l_m)
+        out, lse = _merge_rows(out, lse, seg.paths, o_s, l_s)
     out = out.to(query.dtype).reshape(R, Hq, m, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _merge_rows(out, lse, rows, o_s, l_s):
+    """``(out, lse)`` with a segment's partial results ``o_s``, ``l_s`` merged (:func:`_merge`)
+    into the rows ``rows`` (long ``[n]`` on the device; None: every row) of ``out`` / ``lse``."""
+    if rows is None:
+        return _merge(out, lse, o_s, l_s)
+    o_m, l_m = _merge(out.index_select(0, rows), lse.index_select(0, rows), o_s, l_s)
+    out.index_copy_(0, rows, o_m)
+    lse.index_copy_(0, rows, l_m)
+    return out, lse
 
 
 def _packed_attention(batch: TreeBatch, layer: int, query, key, value, scale: float):
@@ -283,13 +288,7 @@ def _packed_attention(batch: TreeBatch, layer: int, query, key, value, scale: fl
         o_s, l_s = _attend(qs, ks[None], vs[None], scale, KERNEL)
         o_s = o_s[0].view(Hkv, N, G, D).transpose(0, 1).reshape(N, Hq, D).float()
         l_s = l_s[0].view(Hkv, N, G).transpose(0, 1).reshape(N, Hq)
-        if seg.paths is None:
-            out, lse = _merge(out, lse, o_s, l_s)
-        else:
-            o_m, l_m = _merge(out.index_select(0, seg.paths), lse.index_select(0, seg.paths),
-                              o_s, l_s)
-            out.index_copy_(0, seg.paths, o_m)
-            lse.index_copy_(0, seg.paths, l_m)
+        out, lse = _merge_rows(out, lse, seg.paths, o_s, l_s)
     return out.to(query.dtype).view(B, n, Hq, D), None
 
 
