@@ -28,7 +28,7 @@
 #   bash benchmarks/gpu_session.sh compiled  # the compiled glue (auto-compiled) beside auto, and
 #                                            # the operators a step (carry [".whl"], ~4 min)
 #   bash benchmarks/gpu_session.sh lmeval    # HFLM vs GenbackLM, four request mixes: 1B, 8B bf16, 1B fp32
-#                                            # (~4 min; lm-eval's wheels in .whl-lmeval: notes/i66b.md)
+#                                            # (~4 min; lm-eval's wheels in .whl-lmeval: history/issue-66.md)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -11,7 +11,7 @@ collections that allocations start with the threshold low and raised, through ``
 and where a premise does not hold that trick steps aside, with a debug line on this module's
 logger and its reason in :data:`STEPPED_ASIDE`. Tested (CI) on CPython 3.11 and 3.13 with the GIL
 (every premise holds there, and on 3.12.1, checked by hand); each trick below names the versions
-its gain was measured on (``notes/i65.md``: the commands and numbers):
+its gain was measured on (``benchmarks/history/issue-65.md``: the commands and numbers):
 
 1. **Identity of a context's items** (:func:`same_items`). An SMC program extends each
    particle's context by one token per step and passes it as a new list (``context +
@@ -64,8 +64,8 @@ its gain was measured on (``notes/i65.md``: the commands and numbers):
    CPU the forward is the host's own work, and a collection costs the same before or after it).
    Measured on this project's CPU (the way into a 256-query step, lists of 4,000 ids), on 3.11:
    12.2 ms with collections in it, 3.8-5.2 without; on 3.13 (threshold 2,000) the hold still
-   takes them out of the way in (``notes/i65.md``). Its premise (raising the first threshold
-   defers the collections allocation starts) is counted at import.
+   takes them out of the way in (``benchmarks/history/issue-65.md``). Its premise (raising the
+   first threshold defers the collections allocation starts) is counted at import.
 """
 
 from __future__ import annotations
