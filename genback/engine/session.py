@@ -180,13 +180,7 @@ class GenbackSession(BaseInferenceSession):
             TypeError: with ``errors="raise"``, a request of the wrong type.
             SessionClosed: the session is closed.
         """
-        requests = list(requests)
-        if not requests:
-            return []
-        check_batch_size(batch_size)
-        return self._loop_thread.call(score_requests(
-            self.lm, requests, self._encode_ll, batch_size or self.max_in_flight, self.errors,
-            progress))
+        return self._score(requests, self._encode_ll, batch_size, progress)
 
     def loglikelihood_tokens(self, pairs: list[tuple[list[int], list[int]]], *,
                              batch_size: int | None = None,
@@ -200,13 +194,17 @@ class GenbackSession(BaseInferenceSession):
         to the window as in :meth:`loglikelihood`; outputs and errors as there (an empty
         continuation is a ``ValueError``).
         """
-        pairs = list(pairs)
-        if not pairs:
+        return self._score(pairs, self._encode_ids, batch_size, progress)
+
+    def _score(self, items, encode, batch_size, progress) -> list[LoglikelihoodOutput]:
+        """:func:`.scoring.score_requests` of ``items`` (each encoded by ``encode``) on the
+        session's loop, ``batch_size`` (checked) or ``max_in_flight`` in flight."""
+        items = list(items)
+        if not items:
             return []
         check_batch_size(batch_size)
         return self._loop_thread.call(score_requests(
-            self.lm, pairs, self._encode_ids, batch_size or self.max_in_flight, self.errors,
-            progress))
+            self.lm, items, encode, batch_size or self.max_in_flight, self.errors, progress))
 
     def loglikelihood_continuous(self, requests: Iterable[tuple[Any, LoglikelihoodRequest]], *,
                                  batch_size: int | None = None
