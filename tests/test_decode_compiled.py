@@ -179,6 +179,35 @@ def test_what_does_not_compute_llamas_glue_keeps_its_own(gpt2_tok):
     assert compiled.CompiledLayers(model)._next == [None, None]
 
 
+def test_a_swapped_layer_answers_as_its_own_forward_by_name_and_by_position(gpt2_tok):
+    """Inside ``with layers:`` a decoder layer called as this transformers release's model calls
+    it (all but the hidden states by name, the cache under the release's own name) and with its
+    arguments by position (its own forward then) returns its own forward's values (float32)."""
+    import inspect as _inspect
+    model = _llama(len(gpt2_tok), "cpu", torch.float32)
+    layer = model.model.layers[0]
+    layers = compiled.CompiledLayers(model)
+    assert layers.layers == 2 and layers.mlps == 2  # (this release's Llama code is known)
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 5, 128, generator=g)
+    positions = torch.arange(5).expand(2, 5)
+    rotary = model.model.rotary_emb(h, positions)
+    names = list(_inspect.signature(_inspect.unwrap(type(layer).forward)).parameters)
+    cache = names[4]  # (self, hidden_states, attention_mask, position_ids, the cache, ...)
+    assert cache in ("past_key_values", "cache")
+    kwargs = {"attention_mask": None, "position_ids": positions, cache: None,
+              "use_cache": False, "position_embeddings": rotary}
+    with torch.no_grad():
+        own = layer(h, **kwargs)
+        with layers:
+            assert "forward" in vars(layer)
+            by_name = layer(h, **kwargs)
+            by_position = layer(h, None, positions, None, False, rotary)
+        assert "forward" not in vars(layer)
+    assert float((by_name - own).abs().max()) <= 1e-5
+    assert torch.equal(by_position, own)
+
+
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_captured_compiled_steps_are_verified_and_exact(gpt2_tok, no_tf32, dtype):  # noqa: F811

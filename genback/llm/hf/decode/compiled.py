@@ -38,6 +38,8 @@ during a capture (:mod:`.graphs` runs the step eagerly before capturing it).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.models.llama import modeling_llama
 
@@ -84,15 +86,19 @@ def compiled(name: str):
 
 
 # the names and arguments of transformers' Llama forwards that :class:`CompiledLayers`' own
-# forwards reproduce (5.17 to 5.19): a release that changes them leaves the model's own in place
-LAYER_CODE = (("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),
-              ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
-               "use_cache", "position_embeddings", "kwargs", "residual", "_"))
-MLP_CODE = (("down_proj", "act_fn", "gate_proj", "up_proj"), ("self", "x", "down_proj"))
+# forwards reproduce: the layer's of 5.17 to 5.19 (``past_key_values``) and of 5.24 (``cache``;
+# the forward wrapped there by a deprecated-argument decorator and gradient checkpointing, both
+# unwrapped first); a release that changes them leaves the model's own in place
+_LAYER_NAMES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+LAYER_CODES = tuple((_LAYER_NAMES, ("self", "hidden_states", "attention_mask", "position_ids", cache,
+                                    "use_cache", "position_embeddings", "kwargs", "residual", "_"))
+                    for cache in ("past_key_values", "cache"))
+MLP_CODES = ((("down_proj", "act_fn", "gate_proj", "up_proj"), ("self", "x", "down_proj")),)
 
 
-def _known(fn, code: tuple) -> bool:
-    return (fn.__code__.co_names, fn.__code__.co_varnames) == code
+def _known(fn, codes: tuple) -> bool:
+    code = inspect.unwrap(fn).__code__
+    return (code.co_names, code.co_varnames) in codes
 
 
 def _plain_norm(m) -> bool:
@@ -116,15 +122,16 @@ class CompiledLayers:
         layer_forward = modeling_llama.LlamaDecoderLayer.forward
         mlp_forward = modeling_llama.LlamaMLP.forward
         self._layers, self._mlps = [], []
-        known = _known(layer_forward, LAYER_CODE), _known(mlp_forward, MLP_CODE)
+        known = _known(layer_forward, LAYER_CODES), _known(mlp_forward, MLP_CODES)
         for m in model.modules():
             if "forward" in vars(m):
                 continue
-            if (known[0] and _same_code(type(m).forward, layer_forward)
+            own = inspect.unwrap(type(m).forward)
+            if (known[0] and _same_code(own, inspect.unwrap(layer_forward))
                     and _plain_norm(getattr(m, "input_layernorm", None))
                     and _plain_norm(getattr(m, "post_attention_layernorm", None))):
                 self._layers.append(m)
-            elif (known[1] and _same_code(type(m).forward, mlp_forward)
+            elif (known[1] and _same_code(own, inspect.unwrap(mlp_forward))
                   and _silu(getattr(m, "act_fn", None))):
                 self._mlps.append(m)
         self.layers, self.mlps = len(self._layers), len(self._mlps)
@@ -157,17 +164,17 @@ def _layer_forward(layer, nxt, norm, add_norm, stash: list):
     ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
     ln_next = None if nxt is None else nxt.input_layernorm
 
-    def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, position_embeddings=None, **kwargs):
+    def forward(hidden_states, *args, **kwargs):
         last, stash[0] = stash[0], None
+        if args:  # (every transformers model passes all but the hidden states by name)
+            return type(layer).forward(layer, hidden_states, *args, **kwargs)
         if last is not None and last[0] is hidden_states and last[1] is ln1.weight:
             h = last[2]
         else:
             h = norm(hidden_states, ln1.weight, ln1.variance_epsilon)
-        h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask,
-                               position_ids=position_ids, past_key_values=past_key_values,
-                               use_cache=use_cache, position_embeddings=position_embeddings,
-                               **kwargs)
+        # the layer's other arguments go to its attention as they came (the cache's name is the
+        # release's: ``past_key_values`` or ``cache``)
+        h, _ = layer.self_attn(hidden_states=h, **kwargs)
         residual, h = add_norm(h, hidden_states, ln2.weight, ln2.variance_epsilon)
         if ln_next is None:
             return residual + layer.mlp(h)
