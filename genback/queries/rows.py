@@ -85,7 +85,7 @@ def log_softmax_rows(logits: torch.Tensor, row_device: torch.device) -> list[tor
             block = torch.log_softmax(block if f32 else block.float(), dim=-1)
         blocks.append(block.to(row_device) if move else block)
         out.extend(blocks[-1].unbind(0))
-    _made.last = (out, blocks)  # (for copy_blocks: the same rows are copied a block at a time)
+    _made.last = (tuple(out), blocks)  # (copy_blocks: these rows are copied block by block)
     return out
 
 
