@@ -200,3 +200,38 @@ def test_host_rows_are_made_in_blocks_equal_to_one_log_softmax():
     # a narrow vocabulary: one block, one op, as before
     rows = _log_softmax_rows(torch.randn(300, 512), torch.device("cpu"))
     assert len({r.untyped_storage().data_ptr() for r in rows}) == 1
+
+
+def test_a_steps_rows_are_copied_a_block_at_a_time_and_equal_their_stack():
+    """``copy_blocks`` of the very rows the last ``log_softmax_rows`` made, in order (a step's
+    rows, the output cache's copies: ``kept_copies``), copies its blocks (no ``torch.stack``);
+    the copies equal the stacked rows byte for byte, in the same blocks. Rows in another order,
+    a subset, rows made before the last call, or a second copy of the same rows are stacked."""
+    from unittest import mock
+
+    from genback.queries.rows import HOST_BLOCK_BYTES, copy_blocks, kept_copies, log_softmax_rows
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    for K, V in ((300, 512), (7, 100_000), (1, 512)):  # one block; blocks of 2 rows; one row
+        per = max(1, HOST_BLOCK_BYTES // (4 * V))
+        rows = log_softmax_rows(torch.randn(K, V) * 4, cpu)
+        with mock.patch.object(torch, "stack", side_effect=AssertionError("stacked")):
+            got = copy_blocks(list(rows))
+        stacked = [torch.stack(rows[a:a + per]) for a in range(0, K, per)]
+        assert [b.shape for b in got] == [b.shape for b in stacked]
+        assert all(torch.equal(b, s) and b.data_ptr() != s.data_ptr()
+                   for b, s in zip(got, stacked))
+        assert all(b._base is None and b.is_contiguous() for b in got)
+        rows = log_softmax_rows(torch.randn(K, V), cpu)
+        kept = kept_copies(list(rows))
+        assert len(kept) == K and all(torch.equal(k[0][k[1]], r) for k, r in zip(kept, rows))
+    for case in ("reversed", "subset", "older", "twice"):
+        old = log_softmax_rows(torch.randn(6, 512), cpu)
+        rows = log_softmax_rows(torch.randn(6, 512), cpu)
+        pick = {"reversed": rows[::-1], "subset": rows[1:], "older": old, "twice": rows}[case]
+        if case == "twice":
+            copy_blocks(list(rows))
+        with mock.patch.object(torch, "stack", wraps=torch.stack) as stack:
+            got = copy_blocks(list(pick))
+        assert stack.called and torch.equal(got[0], torch.stack(list(pick)))

@@ -33,8 +33,8 @@ import numpy as np
 from ....queries.context import Context, flat
 from ....cpython import untrack_ids
 from .ends import Ends
-from .nodes import (Node as _Node, append_slots, common_prefix_length, descend, end_node,
-                    merge_up, prefix_segments)
+from .nodes import (Node as _Node, append_slot, append_slots, common_prefix_length, descend,
+                    end_node, merge_up, prefix_segments)
 from .recency import Candidates
 
 
@@ -193,36 +193,36 @@ class KVTree:
         self.bytes_held += leaf.bytes
         return leaf
 
-    def grow(self, holders: list, contexts: list, cached: list, last: list, slots: list,
+    def grow(self, holders: list, contexts: list, cached: list, last: list, slots,
              adapter=None) -> tuple[list, list]:
         """A uniform step's commit in one call: context ``contexts[i]`` is ``cached[i]`` cached
         tokens (held in ``holders[i]``, :meth:`insert`'s ``near``) plus ``last[i]``, its KV in
-        pool slot ``slots[i]`` (``int64 [1]``): :meth:`extend` of the holder where it can grow
-        in place, else :meth:`insert` (a one-token leaf made here), no call per row for either.
-        Returns ``(nodes, inserted)``: where each context ends now, and the new nodes (not
-        stamped: ``touch=False``)."""
+        pool slot ``slots[i]`` (``int64 [R, 1]``, or ``R`` arrays ``int64 [1]``): :meth:`extend`
+        of the holder where it can grow in place (its slot written as an int), else :meth:`insert`
+        (a one-token leaf made here), no call per row for either. Returns ``(nodes, inserted)``:
+        where each context ends now, and the new nodes (not stamped: ``touch=False``)."""
         nodes, inserted, cap, added = [], [], self.EXTEND_MAX, self.token_bytes
-        for holder, ctx, n, token, s in zip(holders, contexts, cached, last, slots):
+        ids = (slots if isinstance(slots, np.ndarray) else np.concatenate(slots)).ravel().tolist()
+        for i, (holder, ctx, n, token, s) in enumerate(zip(holders, contexts, cached, last, ids)):
             if holder.depth == n and not (holder.children or holder.pinned or holder.refs > 1
                                           or holder.parent is None or len(holder.edge) >= cap):
                 holder.edge += (token,)  # (as extend)
-                append_slots(holder, s, cap)
+                append_slot(holder, s, cap)
                 holder.depth += 1
                 holder.bytes += added
                 nodes.append(holder)
                 continue
             if holder.depth == n and token not in holder.children:  # (as insert's new leaf)
-                node = self._leaf(holder, (token,), s, n + 1)
+                node = self._leaf(holder, (token,), slots[i], n + 1)
             else:
-                node = self.insert(ctx, n, s, adapter, near=holder, touch=False)
+                node = self.insert(ctx, n, slots[i], adapter, near=holder, touch=False)
             nodes.append(node)
             inserted.append(node)
         self.bytes_held += added * (len(nodes) - len(inserted))  # (the grown ones)
         return nodes, inserted
 
-    # a leaf grows in place (extend) while its edge stays this short: an extension copies the
-    # edge's tuple (its slots go into a buffer of this many, nodes.append_slots), so a longer
-    # one gets a child instead (then compact merges geometrically)
+    # a leaf grows in place (extend) while its edge stays this short: an extension copies the edge's
+    # tuple (its slots: a buffer of this many, nodes.append_slots); a longer one gets a child
     EXTEND_MAX = 64
 
     def extend(self, node: _Node, tokens: tuple, slots: np.ndarray) -> bool:

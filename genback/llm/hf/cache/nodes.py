@@ -56,6 +56,21 @@ def append_slots(node: Node, slots, capacity: int) -> None:
     buf[n:n + k] = slots
     view = buf[:n + k]
     node.slots, node.spare = view, (buf, view)
+def append_slot(node: Node, slot: int, capacity: int) -> None:
+    """:func:`append_slots` of one slot given as an int (a uniform step's commit): a scalar
+    write into the buffer instead of an array's copy, and no array per row before it."""
+    old, n = node.slots, len(node.slots)
+    spare = node.spare
+    if spare is not None and spare[1] is old and n < len(spare[0]):
+        buf = spare[0]
+    else:
+        buf = np.empty(max(capacity, n + 1), dtype=np.int64)
+        buf[:n] = old
+    buf[n] = slot
+    view = buf[:n + 1]
+    node.slots, node.spare = view, (buf, view)
+
+
 def common_prefix_length(a, b, start: int = 0) -> int:
     """Length of the common prefix of sequences ``a`` and ``b``, given that it is at least
     ``start``: slice comparisons in C, halving the unresolved range (about ``2 * len`` element

@@ -239,7 +239,7 @@ class DecodeStep:
             raise
         new = (chunks[0].layout.new_slots if len(chunks) == 1
                else np.concatenate([c.layout.new_slots for c in chunks]))
-        return ForwardOut(values, [new[i:i + 1] for i in range(len(group))], read, len(chunks))
+        return ForwardOut(values, new.reshape(len(group), 1), read, len(chunks))
 
     def layouts(self, group) -> list[Chunk] | None:
         """The step as contiguous :class:`Chunk` s of rows in order, each with its

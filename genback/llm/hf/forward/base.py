@@ -27,13 +27,14 @@ class ForwardOut:
 
     Attributes:
         values: each output's result (the paths' outputs in order; see :mod:`genback.queries.kinds`).
-        new_slots: per path, ``int64 [n_new]``: the pool slots holding its new tokens' KV.
+        new_slots: per path, ``int64 [n_new]``: the pool slots holding its new tokens' KV (a
+            uniform step's: one ``int64 [R, 1]`` array, whose rows they are).
         bytes_read: KV bytes the forward's attention read (all layers).
         forwards: model forwards it took (a decode step split into chunks runs several).
     """
 
     values: list
-    new_slots: list
+    new_slots: list | np.ndarray
     bytes_read: int
     forwards: int = 1
 
@@ -98,9 +99,11 @@ def new_slots(pool: KVPool, n_new: list[int], m: int) -> np.ndarray:
     return slots
 
 
-def split_new_slots(n_new: list[int], slots: np.ndarray) -> list[np.ndarray]:
-    """Each path's new slots ``int64 [n_new]`` (rows of ``slots`` ``[R, m]`` without padding)."""
+def split_new_slots(n_new: list[int], slots: np.ndarray):
+    """Each path's new slots ``int64 [n_new]`` (rows of ``slots`` ``[R, m]`` without padding):
+    a list of them, or ``slots`` itself when every row is one slot (a decode step: its rows
+    are the paths' slots, and no array is made per row)."""
     m = slots.shape[1]
-    if m == 1:  # (a decode step: every row is one slot; its rows listed in C)
-        return list(slots)
+    if m == 1:
+        return slots
     return [row if n == m else row[:n] for row, n in zip(slots, n_new)]
