@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..queries.window import truncate_pair
 from .checks import check_loglikelihood_request
 
-__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_pair",
+__all__ = ["PAIR_ENCODINGS", "prefix_token_id", "encode_text", "encode_texts", "encode_pair",
            "encode_pairs", "encode_loglikelihood", "fit_ids"]
 
 PAIR_ENCODINGS = ("lm_eval", "separate")
@@ -91,46 +91,64 @@ def encode_pair(tokenizer, context: str, continuation: str, mode: str = "lm_eval
     return ctx, whole[len(ctx):]
 
 
+def encode_texts(tokenizer, texts) -> dict[str, list[int]]:
+    """:func:`encode_text` of every distinct str of ``texts``, as ``{text: ids}``: each text
+    encoded once, all of them in at most two batched tokenizer calls (with and without its
+    special tokens; a fast tokenizer encodes a batch in Rust, in parallel). The ids equal
+    :func:`encode_text`'s, text by text.
+
+    Raises:
+        TypeError: an item of ``texts`` that is not a str.
+        ValueError: the tokenizer has neither a BOS nor an EOS token.
+    """
+    prefix = tokenizer.decode(prefix_token_id(tokenizer))
+    groups: tuple[dict, dict] = ({}, {})  # text -> ids: (default special tokens, none)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] must be a str, got {type(text).__name__}")
+        groups[bool(prefix) and text.startswith(prefix)][text] = None  # (encode_text's rule)
+    for special, known in zip((True, False), groups):
+        if known:
+            batch = tokenizer(list(known), add_special_tokens=special)["input_ids"]
+            known.update(zip(known, map(list, batch)))
+    return {**groups[0], **groups[1]}
+
+
 def encode_pairs(tokenizer, pairs) -> list[tuple[list[int], list[int]]]:
     """:func:`encode_pair` (``mode="lm_eval"``) of every ``(context, continuation)`` of ``pairs``,
-    with each distinct text encoded once: the choices of a question share their context's
-    encoding, and the texts go to the tokenizer in two batched calls (with and without its
-    special tokens; a fast tokenizer encodes a batch in Rust, in parallel). The ids are those of
-    :func:`encode_pair`, pair by pair.
+    with each distinct text encoded once (:func:`encode_texts`): the choices of a question share
+    their context's encoding, and the texts go to the tokenizer in batched calls. The ids are
+    those of :func:`encode_pair`, pair by pair.
 
     Raises:
         ValueError: the tokenizer has neither a BOS nor an EOS token.
     """
     prefix_id = prefix_token_id(tokenizer)
-    prefix = tokenizer.decode(prefix_id)
-    texts: tuple[dict, dict] = ({}, {})  # text -> ids: (default special tokens, none)
-    jobs = []
+    alone, texts, jobs = {}, {}, []  # continuations of empty contexts; the others' texts
     for context, continuation in pairs:
         if context == "":
-            texts[1][continuation] = None
+            alone[continuation] = None
             jobs.append((None, continuation))
             continue
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces > 0:
             continuation = context[-n_spaces:] + continuation
             context = context[:-n_spaces]
-        for text in (context, context + continuation):  # (encode_text's rule)
-            texts[bool(prefix) and text.startswith(prefix)][text] = None
+        texts[context] = texts[context + continuation] = None
         jobs.append((context, context + continuation))
-    for special, known in zip((True, False), texts):
-        if known:
-            batch = tokenizer(list(known), add_special_tokens=special)["input_ids"]
-            known.update(zip(known, map(list, batch)))
+    if alone:  # (encoded without special tokens, as encode_pair does)
+        batch = tokenizer(list(alone), add_special_tokens=False)["input_ids"]
+        alone.update(zip(alone, map(list, batch)))
+    texts = encode_texts(tokenizer, texts)
     out = []
     for context, text in jobs:
         if context is None:  # (an empty context: the prefix token, as encode_pair)
-            cont = texts[1][text]
+            cont = alone[text]
             out.append((cont[:1], cont[1:]) if cont and cont[0] == prefix_id
                        else ([prefix_id], list(cont)))
             continue
-        ctx = texts[bool(prefix) and context.startswith(prefix)][context]
-        whole = texts[bool(prefix) and text.startswith(prefix)][text]
-        out.append((ctx, whole[len(ctx):]))
+        ctx = texts[context]
+        out.append((ctx, texts[text][len(ctx):]))
     return out
 
 

@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 from .base import BaseInferenceSession
 from .checks import check_batch_size, check_generation_request, check_rolling_request
-from .encoding import (PAIR_ENCODINGS, encode_loglikelihood, encode_text, fit_ids,
-                       prefix_token_id)
+from .encoding import (PAIR_ENCODINGS, encode_loglikelihood, encode_text, encode_texts,
+                       fit_ids, prefix_token_id)
 from .generation import StreamEvent, decode, eos_token_ids, generation_config, prepare_prompt
 from .loop_thread import LoopThread, SessionClosed
 from .scoring import score, score_requests, score_rolling
@@ -219,10 +219,12 @@ class GenbackSession(BaseInferenceSession):
         """
         return self._continuous(requests, self._loglikelihood_one, self._ll_error, batch_size)
 
-    async def _rolling_one(self, request: RollingLoglikelihoodRequest) -> RollingLoglikelihoodOutput:
+    async def _rolling_one(self, request: RollingLoglikelihoodRequest,
+                           known: dict | None = None) -> RollingLoglikelihoodOutput:
         tokens = check_rolling_request(request)  # (its input_ids, checked)
         if tokens is None:
-            tokens = encode_text(self.tokenizer, request.text or "")
+            text = request.text or ""
+            tokens = known[text] if known and text in known else encode_text(self.tokenizer, text)
         total = await score_rolling(self.lm, tokens, prefix_token_id(self.tokenizer),
                                     self.max_length)
         return RollingLoglikelihoodOutput(total, len(tokens), dict(request.metadata or {}))
@@ -241,7 +243,18 @@ class GenbackSession(BaseInferenceSession):
                 failing request's ``ValueError`` / ``TypeError`` (after the others finished).
             SessionClosed: the session is closed.
         """
-        return self._run_all(requests, self._rolling_one, self._rolling_error, batch_size)
+        requests = list(requests)
+        # the texts of the requests without ids, encoded at once (encode_texts: each distinct
+        # text once, batched); a malformed request, or a tokenizer without a prefix token, is
+        # left to _rolling_one, where the request fails alone
+        try:
+            known = encode_texts(self.tokenizer, {
+                r.text: None for r in requests if isinstance(r, RollingLoglikelihoodRequest)
+                and r.input_ids is None and isinstance(r.text, str)})
+        except ValueError:
+            known = {}
+        return self._run_all(requests, lambda r: self._rolling_one(r, known),
+                             self._rolling_error, batch_size)
 
     # -- generation --------------------------------------------------------------------------------
 

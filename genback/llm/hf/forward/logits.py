@@ -3,10 +3,10 @@ pairs some output asks for (``logits_to_keep`` and a pre-hook on the output embe
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..plan.batch import Path
-from .base import as_long
 from .tree_cache import cache_argument
 
 
@@ -17,21 +17,40 @@ def output_spans(paths: list[Path]) -> list[tuple[int, int, int]]:
             for i, p in enumerate(paths) for o in p.outputs if o.query.n_outputs]
 
 
-def _wanted(spans) -> list[int]:
-    """Positions (in the new-token axis) whose logits some output needs, sorted."""
-    return sorted({j for _, a, b in spans for j in range(a, b)})
+def ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``int64 [counts.sum()]``: ``starts[i] .. starts[i] + counts[i] - 1`` for each ``i`` in
+    order (``starts`` / ``counts`` int64 ``[n]``, counts >= 0), built without a Python step per
+    element."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    first = np.cumsum(counts) - counts  # each run's place in the result
+    return np.repeat(starts - first, counts) + np.arange(total, dtype=np.int64)
 
 
-def _flat_positions(spans, wanted: list[int]) -> list[int]:
-    """Flat indices into the ``[R, len(wanted)]`` grid of the (path, position) pairs the outputs
-    need, output by output (each output's positions in order)."""
-    column = {j: k for k, j in enumerate(wanted)}
-    W = len(wanted)
-    return [i * W + column[j] for i, a, b in spans for j in range(a, b)]
+def kept_positions(spans, R: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(wanted, flat)`` of the output ``spans`` ``(path, first, stop)`` of a forward of ``R``
+    rows: ``wanted`` int64 ``[W]`` the positions (in the new-token axis) whose logits some output
+    needs, sorted, each once (``[0]`` when none: a prefill-only forward keeps one position,
+    unused); ``flat`` int64 ``[K]`` the indices into the ``[R, W]`` grid of the (path, position)
+    pairs the outputs need, output by output (each output's positions in order). Array work:
+    no Python step per position."""
+    if not spans:
+        return np.zeros(1, dtype=np.int64), np.empty(0, dtype=np.int64)
+    rows, first, stop = np.array(spans, dtype=np.int64).T
+    counts = stop - first
+    at = ragged_arange(first, counts)
+    if len(at) == 0:
+        return np.zeros(1, dtype=np.int64), at
+    if len(at) == 1 or bool((at[1:] > at[:-1]).all()):  # (each position once, in order: the
+        # packed row's outputs, or one path's) its column is its place: no sort, no search
+        return at, np.repeat(rows, counts) * len(at) + np.arange(len(at), dtype=np.int64)
+    wanted = np.unique(at)
+    return wanted, np.repeat(rows, counts) * len(wanted) + np.searchsorted(wanted, at)
 
 
 def run_model(model, input_ids, positions, spans, cache, attention_mask=None, device=None):
-    """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`_flat_positions`).
+    """Forward; return the logits ``[K, V]`` of the positions the outputs need (:func:`kept_positions`).
 
     The language-model head runs only on those positions: a pre-hook on the output embeddings
     selects them from the hidden states ``[R, W, H]`` of the union of the paths' positions
@@ -46,16 +65,17 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None, de
     if spans is None:
         W, whole_grid = 1, True
     else:
-        wanted = _wanted(spans) or [0]  # (a prefill-only forward keeps one position, unused)
-        positions_kept = _flat_positions(spans, wanted)
+        wanted, positions_kept = kept_positions(spans, R)
         W = len(wanted)
         # the last W positions of every path, each once, in order (a decode step: the one new
         # token of each path): the head runs on exactly the kept grid, so no selection is
         # needed and ``logits_to_keep`` is the count (transformers keeps the last ``W``)
-        whole_grid = wanted[0] == m - W and positions_kept == list(range(R * W))
+        whole_grid = (wanted[0] == m - W and len(positions_kept) == R * W
+                      and bool((positions_kept == np.arange(R * W)).all()))
     flat = head = handle = None
     if not whole_grid:
-        flat = as_long(positions_kept, dev)
+        flat = torch.from_numpy(positions_kept)
+        flat = flat if dev.type == "cpu" else flat.to(dev)
         head = (model.get_output_embeddings() if hasattr(model, "get_output_embeddings")
                 else None)
 
@@ -73,8 +93,7 @@ def run_model(model, input_ids, positions, spans, cache, attention_mask=None, de
                 position_ids=positions if on_cpu else positions.to(dev),
                 use_cache=True,
                 **cache_argument(model, cache),
-                logits_to_keep=(W if whole_grid
-                                else torch.tensor(wanted, dtype=torch.long, device=dev)),
+                logits_to_keep=(W if whole_grid else torch.from_numpy(wanted).to(dev)),
             )
     finally:
         if handle is not None:

@@ -11,18 +11,38 @@ outputs, one for all next-token rows.
 
 from __future__ import annotations
 
+import operator
+from itertools import chain
+
+import numpy as np
 import torch
 
 from ....queries.kinds import NextToken, Query, Score, Step
 from ....queries.rows import log_softmax_rows
 from ....queries.sampling import choose_rows
 from ..plan.batch import Path
+from .logits import ragged_arange
 
-# target log-probs are taken in slices of this many positions: the float32 temporaries of a
-# slice (128 x 49,152 x 4 bytes = 25 MB on SmolLM2) stay in reused heap memory; slices of 1,024
-# positions (200 MB, fresh pages each time) took 3.2x longer (0.80 s vs 0.25 s for 4,663
-# positions on one CPU core, measured)
-_SLICE = 128
+# target log-probs are taken in slices of at most this many bytes of float32 logits: on the CPU
+# the temporaries of a slice (128 x 49,152 x 4 bytes = 25 MB on SmolLM2) stay in reused heap
+# memory, where slices of 1,024 such positions (200 MB, fresh pages each time) took 3.2x longer
+# (0.80 s vs 0.25 s for 4,663 positions on one CPU core, measured); a small vocabulary's slices
+# hold more positions (fewer, larger operations: 430 slices of 128 for 55,000 rolling positions
+# of a 512-token vocabulary were 0.15 s of host time, measured). On CUDA the caching allocator
+# reuses larger blocks and each slice is kernel launches: 128 MiB (~670 positions of a 50,257-token
+# vocabulary; a slice's float32 temporaries stay well inside the 2 GiB forward budget's slack,
+# which counts every output's logits in float32 while they are bf16)
+_SLICE_BYTES = {"cpu": 25 << 20}
+_SLICE_BYTES_DEVICE = 128 << 20
+_MIN_SLICE = 128
+
+
+def slice_positions(device: torch.device, vocab: int) -> int:
+    """Positions per slice of :func:`_scores` on ``device`` for a vocabulary of ``vocab``: as many
+    float32 rows as :data:`_SLICE_BYTES` (CPU) or :data:`_SLICE_BYTES_DEVICE` hold, at least
+    :data:`_MIN_SLICE`."""
+    budget = _SLICE_BYTES.get(device.type, _SLICE_BYTES_DEVICE)
+    return max(_MIN_SLICE, budget // (4 * max(1, vocab)))
 
 
 def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device) -> list:
@@ -42,7 +62,7 @@ def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device
                 steps_at.append(k)
                 steps.append(q)
             case Score():
-                scores_at.extend(range(k, k + len(q.targets)))
+                scores_at.append(k)
                 scores.append(q)
         k += q.n_outputs
     dev = logits.device
@@ -66,33 +86,45 @@ def results(queries: list[Query], logits: torch.Tensor, row_device: torch.device
     return out
 
 
-def _scores(logits: torch.Tensor, at: list[int], scores: list[Score]) -> list:
-    """Each :class:`~genback.queries.kinds.Score`'s result from ``logits`` ``[K, V]`` at positions
-    ``at`` (all the scores' targets in order): float32 CPU log-probs ``[n]``, with ``greedy``
-    paired with bool CPU argmax flags ``[n]``. Taken in slices of :data:`_SLICE` positions; one
-    transfer to the CPU for all."""
+def _scores(logits: torch.Tensor, first: list[int], scores: list[Score]) -> list:
+    """Each :class:`~genback.queries.kinds.Score`'s result from ``logits`` ``[K, V]``, whose rows
+    ``first[i] .. first[i] + len(targets) - 1`` are the positions of ``scores[i]``'s targets
+    (when the targets are all ``K`` rows, the rows are read in place): float32 CPU log-probs
+    ``[n]``, with ``greedy`` paired with bool CPU argmax flags ``[n]``. Taken in slices of
+    :func:`slice_positions` positions; one transfer to the CPU for all. The positions and
+    targets are arrays (no Python step per target)."""
     if not scores:
         return []
     dev = logits.device
     greedy = any(q.greedy for q in scores)
-    idx = torch.tensor(at, device=dev)
-    tgt = torch.tensor([t for q in scores for t in q.targets], device=dev)
+    counts = np.fromiter(map(_n_targets, scores), dtype=np.int64, count=len(scores))
+    total = int(counts.sum())
+    tgt = torch.from_numpy(np.fromiter(chain.from_iterable(map(_targets, scores)),
+                                       dtype=np.int64, count=total))
+    idx = None if total == logits.shape[0] else torch.from_numpy(
+        ragged_arange(np.asarray(first, dtype=np.int64), counts))
+    if dev.type != "cpu":
+        tgt, idx = tgt.to(dev), None if idx is None else idx.to(dev)
     lps, flags = [], []
-    for s in range(0, len(at), _SLICE):
-        part = logits.index_select(0, idx[s:s + _SLICE]).float()  # [n, V]
-        want = tgt[s:s + _SLICE, None]
+    step = slice_positions(dev, logits.shape[-1])
+    for s in range(0, total, step):
+        part = (logits[s:s + step] if idx is None
+                else logits.index_select(0, idx[s:s + step])).float()  # [n, V]
+        want = tgt[s:s + step, None]
         if greedy:  # argmax flags only when a scoring query asks (not rolling / token_logprobs)
             flags.append(part.argmax(dim=-1) == want[:, 0])
         # log_softmax, not x - logsumexp(x): the latter rounds ~1e-5 lower on CPU
         lps.append(torch.log_softmax(part, dim=-1).gather(1, want)[:, 0])
-    lps = torch.cat(lps).cpu()
-    flags = torch.cat(flags).cpu() if greedy else None
+    lps = (lps[0] if len(lps) == 1 else torch.cat(lps)).cpu()
+    flags = ((flags[0] if len(flags) == 1 else torch.cat(flags)).cpu() if greedy else None)
     out, b = [], 0
-    for q in scores:
-        n = len(q.targets)
+    for q, n in zip(scores, counts.tolist()):
         out.append((lps[b:b + n], flags[b:b + n]) if q.greedy else lps[b:b + n])
         b += n
     return out
+
+
+_n_targets, _targets = operator.attrgetter("n_outputs"), operator.attrgetter("targets")
 
 
 def outputs(paths: list[Path], logits: torch.Tensor, row_device: torch.device) -> list:
