@@ -220,18 +220,25 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> dict:
-    """Run the mixes; returns ``{"device", "model", "dtype", "hf_batch_size", "mixes": {...}}``."""
-    args = parse(argv)
+def setup(args) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` of parsed ``args`` (defaults filled in, ``args.shape`` too); one torch
+    thread on the CPU; TF32 off for fp32 (exact fp32 matmuls on CUDA)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(1)
     args.shape = args.shape or ("llama-3.2-1b" if device.type == "cuda" else "tiny")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    if dtype == torch.float32:  # exact fp32 matmuls on CUDA (TF32 off)
+    if dtype == torch.float32:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
+    return device, dtype
+
+
+def main(argv=None) -> dict:
+    """Run the mixes; returns ``{"device", "model", "dtype", "hf_batch_size", "mixes": {...}}``."""
+    args = parse(argv)
+    device, dtype = setup(args)
 
     from lm_eval.models.huggingface import HFLM
 

