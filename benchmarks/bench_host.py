@@ -39,6 +39,9 @@ Reported per query (µs, summed over measured steps and divided by N x steps):
   shared core;
 - ``host/step ms``: the same per step (host/q x N): what a step's forward waits for on the host
   (issue 38's targets: <= 0.4 ms at 16 particles, <= 25 µs per query at 256);
+- ``host/step med ms``: the median over the measured steps of each step's host time (wall less
+  forward wall): the sums above take in whole every step that another process preempted (one
+  10 ms preemption in 16 steps of 1.6 ms adds 40 % to host/step); the median does not;
 - ``caller/q``: CPU time of the event-loop thread outside the model's forward (query submission,
   output cache, futures, asyncio; and a step's batch when it runs on the loop's thread, the
   batcher's ``inline_cohort``);
@@ -299,6 +302,7 @@ async def nested(model, tok, length: int = 256, prompt_len: int = 32) -> dict:
 # -- driver -----------------------------------------------------------------------------------
 
 HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs | host/step ms | "
+          "host/step med ms | "
           "caller/q µs | "
           "worker/q µs | gc/q µs | ctx-gc/q µs | other/q µs | idle/q µs | asyncio/q µs | "
           "own/q µs | host % | fwd/step | err | loop host/step ms (reorder) | "
@@ -308,6 +312,7 @@ HEADER = ("| model | N | context | queries | wall/q µs | fwd/q µs | host/q µs
 def row_md(model: str, r: dict) -> str:
     return (f"| {model} | {r['n']} | {r['context']} | {r['queries']} | {r['wall']:.0f} | "
             f"{r['fwd']:.0f} | {r['host']:.0f} | {r['host'] * r['n'] / 1e3:.2f} | "
+            f"{r['host_med']:.2f} | "
             f"{r['caller']:.0f} | {r['worker']:.0f} | "
             f"{r['gc']:.0f} | {r['ctx_gc']:.0f} | "
             f"{r['other']:.0f} | {r['idle']:.0f} | {r['floor']:.0f} | {r['own']:.0f} | "

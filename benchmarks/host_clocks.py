@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import statistics
 import threading
 import time
 
@@ -88,6 +89,7 @@ class StepClock:
         self.gc = gc_clock
         self.api = api
         self.t = dict.fromkeys(self.FIELDS, 0.0)
+        self.host_steps: list[float] = []  # each step's host seconds (wall less forward wall)
 
     async def step(self, contexts):
         timer, lm = self.timer, self.lm
@@ -113,6 +115,7 @@ class StepClock:
         t["queries"] += len(contexts)
         t["steps"] += 1
         t["gc"] += (self.gc.total if self.gc else 0.0) - g0
+        self.host_steps.append((w1 - w0) - (timer.wall - fw0))
         return rows
 
     def per_query(self) -> dict:
@@ -128,7 +131,9 @@ class StepClock:
                     caller=caller * us, worker=worker * us, other=other * us,
                     idle=(host - caller - worker - other) * us,
                     share=host / t["wall"] if t["wall"] else 0.0, gc=t["gc"] * us,
-                    fwd_per_step=t["forwards"] / max(t["steps"], 1), queries=int(t["queries"]))
+                    fwd_per_step=t["forwards"] / max(t["steps"], 1), queries=int(t["queries"]),
+                    host_med=statistics.median(self.host_steps) * 1e3 if self.host_steps
+                    else 0.0)
 
 
 async def ask(lm, contexts, api: str = "gather"):

@@ -82,14 +82,19 @@ def test_cell_rows_match_an_uncached_forward(bench, tiny):
             f0, calls0 = lm.cache_info()["forwards"], timer.calls
             rows = await clock.step(contexts)
             forwards, calls = lm.cache_info()["forwards"] - f0, timer.calls - calls0
+            await clock.step(contexts[:2])  # (a second step: each step's host time is kept)
         finally:
             timer.remove()
             await lm.aclose()
-        return contexts, rows, forwards, calls, clock.per_query()
+        return contexts, rows, forwards, calls, clock
 
-    contexts, rows, forwards, calls, pq = asyncio.run(run())
+    contexts, rows, forwards, calls, clock = asyncio.run(run())
+    pq = clock.per_query()
     assert forwards >= 1 and calls >= forwards
-    assert pq["queries"] == 4
+    assert pq["queries"] == 6 and len(clock.host_steps) == 2
+    # the median step's host time lies between the two steps' (the sums' host/q does not)
+    assert min(clock.host_steps) * 1e3 <= pq["host_med"] <= max(clock.host_steps) * 1e3
+    assert math.isclose(pq["host"] * 6 / 1e6, sum(clock.host_steps), rel_tol=1e-9)
     for row, ref in zip(rows, bench.reference_rows(model, contexts)):
         assert torch.allclose(row, ref, atol=1e-5, rtol=0)
 
