@@ -31,10 +31,12 @@
 #                                            # (~4 min; lm-eval's wheels in .whl-lmeval: history/issue-66.md)
 #   bash benchmarks/gpu_session.sh profile   # GenbackLM's 1B pairs, rolling (bf16) and generation (fp32)
 #                                            # thread by thread under yappi (~2 min; yappi's cp312 wheel in .whl)
+#   bash benchmarks/gpu_session.sh nested    # genlm-control's PromptedLLM.log_probability call vs one plain
+#                                            # forward, 8B and 1B (~1 min)
 # Each part writes its log (and JSON cells) under $OUT (default: ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases | lmeval | profile"}
+part=${1:?"part: all | tests | norms | 8b | 1b | compiled | trie | cascade | long | cold | phases | lmeval | profile | nested"}
 out=${OUT:-gpu-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: the old code's cells run from _old/
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -73,7 +75,7 @@ case "$part" in
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
     # STEPS="part:which:cap ..." runs other parts (a follow-up call), e.g. the norms' check:
     #   STEPS="norms::60 8b:new:120 1b:new:90 cold::40" MODES=auto,auto-modelnorm
-    for step in ${STEPS:-tests::110 lmeval::200 profile::120 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
+    for step in ${STEPS:-tests::110 lmeval::200 profile::120 nested::70 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -150,5 +152,11 @@ case "$part" in
       --mixes pairs,rolling 2>&1 | tee "$out/profile-1b-bf16.log"
     python3 benchmarks/lab/profile_lmeval.py --shape llama-3.2-1b --dtype fp32 \
       --mixes generate 2>&1 | tee "$out/profile-1b-fp32.log" ;;
-  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases | compiled | lmeval | profile)" >&2; exit 2 ;;
+  nested)  # issue 66: genlm-control's PromptedLLM.log_probability call (200-token sequence)
+    # against one plain batch-1 forward, 8B and 1B bf16 (target: <= 1.2x at 8B; ~1 min)
+    for shape in llama-3.1-8b llama-3.2-1b; do
+      python3 benchmarks/bench_nested_gpu.py --shape $shape --length 200 \
+        --json "$out/nested-$shape.json" 2>&1 | tee "$out/nested-$shape.log"
+    done ;;
+  *) echo "unknown part $part (tests | norms | 8b | 1b | trie | cascade | long | cold | phases | compiled | lmeval | profile | nested)" >&2; exit 2 ;;
 esac

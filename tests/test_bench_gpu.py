@@ -243,3 +243,22 @@ def test_gcnow_modes_parse_before_and_without_an_api_suffix():
                  "genback[eager-gchold]"):
         assert cell[name]["decode_steps"] == 4, name
         assert cell[name]["err_vs_uncached"] <= 1e-4, name
+
+
+def test_nested_bench_scores_as_one_plain_forward(tmp_path):
+    """``bench_nested_gpu.py`` at the tiny shape on the CPU: genlm-control's
+    ``PromptedLLM.log_probability`` call (every prefix of the sequence in one
+    ``batch_next_token_logprobs``) is one forward cold and one warm (the prompt cached first),
+    and its per-token log-probs equal one plain batch-1 forward's (fp32)."""
+    import json
+
+    import bench_nested_gpu
+
+    path = tmp_path / "nested.json"
+    out = bench_nested_gpu.main(["--shape", "tiny", "--device", "cpu", "--prompt-len", "8",
+                                 "--length", "24", "--repeat", "1", "--json", str(path)])
+    assert json.loads(path.read_text())["length"] == 24
+    assert out["cold_forwards"] == out["warm_forwards"] == 1
+    assert out["max_token_diff"] <= 1e-5 and out["sum_diff"] <= 1e-4
+    for key in ("plain_s", "cold_s", "warm_s", "cold_ratio", "warm_ratio"):
+        assert math.isfinite(out[key]) and out[key] > 0
