@@ -56,7 +56,7 @@ import gpu_models as G  # noqa: E402
 import tiny_lm  # noqa: E402
 
 MIXES = ("multiple_choice", "pairs", "rolling", "generate")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CUDA_SHAPE = "llama-3.2-1b"  # (the default shape on CUDA; tiny on the CPU)
 
 
 class Text:
@@ -192,12 +192,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default=None, choices=sorted(G.SHAPES),
-                    help="random-weight Llama shape (default: llama-3.2-1b on CUDA, tiny on CPU)")
+    G.add_model_args(ap, CUDA_SHAPE)
     ap.add_argument("--model", default=None, help="a local Hugging Face model folder instead")
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="default bf16 on CUDA, fp32 on the CPU; fp32 runs with TF32 off")
     ap.add_argument("--hf-batch-size", type=int, default=64, help="HFLM's batch_size")
     ap.add_argument("--mixes", default=",".join(MIXES), help=f"comma list of {MIXES}")
     ap.add_argument("--questions", type=int, default=200, help="multiple-choice questions (x4)")
@@ -221,18 +217,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def setup(args) -> tuple[torch.device, torch.dtype]:
-    """``(device, dtype)`` of parsed ``args`` (defaults filled in, ``args.shape`` too); one torch
-    thread on the CPU; TF32 off for fp32 (exact fp32 matmuls on CUDA)."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    args.shape = args.shape or ("llama-3.2-1b" if device.type == "cuda" else "tiny")
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    if dtype == torch.float32:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
-    return device, dtype
+    """``(device, dtype)`` of parsed ``args`` (:func:`gpu_models.setup`)."""
+    return G.setup(args, CUDA_SHAPE)
 
 
 def main(argv=None) -> dict:

@@ -39,17 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_models as G  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CUDA_SHAPE = "llama-3.1-8b"  # (the default shape on CUDA: the issue's target; tiny on the CPU)
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default=None, choices=sorted(G.SHAPES),
-                    help="default llama-3.1-8b on CUDA, tiny on the CPU")
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES))
+    G.add_model_args(ap, CUDA_SHAPE)
     ap.add_argument("--prompt-len", type=int, default=32, help="the PromptedLLM's prompt, tokens")
     ap.add_argument("--length", type=int, default=200, help="the sequence scored, tokens")
     ap.add_argument("--repeat", type=int, default=5, help="runs of each; the fastest is kept")
@@ -82,14 +79,8 @@ def main(argv=None) -> dict:
     """Run it; returns ``{"plain_s", "cold_s", "warm_s", "cold_ratio", "warm_ratio",
     "cold_forwards", "warm_forwards", "max_token_diff", "sum_diff", ...}``."""
     args = parse(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    shape = args.shape or ("llama-3.1-8b" if device.type == "cuda" else "tiny")
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    if dtype == torch.float32:  # exact fp32 matmuls on CUDA
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.set_float32_matmul_precision("highest")
+    device, dtype = G.setup(args, CUDA_SHAPE)
+    shape = args.shape
     from _vocab_fixtures import MISSING, gpt2_tokenizer
 
     from genback.llm import AsyncTransformer

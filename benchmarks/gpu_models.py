@@ -124,6 +124,35 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_model_args(ap, cuda_shape: str) -> None:
+    """``--shape``, ``--device`` and ``--dtype`` of a benchmark over these shapes, on the
+    ``argparse`` parser ``ap`` (defaults, filled in by :func:`setup`: ``cuda_shape`` and bf16 on
+    CUDA, ``tiny`` and fp32 on the CPU)."""
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                    help=f"random-weight Llama shape (default: {cuda_shape} on CUDA, tiny on CPU)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="default bf16 on CUDA, fp32 on the CPU; fp32 runs with TF32 off")
+
+
+def setup(args, cuda_shape: str) -> tuple[torch.device, torch.dtype]:
+    """``(device, dtype)`` of :func:`add_model_args`' parsed ``args`` (``args.shape`` filled in
+    too); one torch thread on the CPU; TF32 off for fp32 (exact fp32 matmuls on CUDA)."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    args.shape = args.shape or (cuda_shape if device.type == "cuda" else "tiny")
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+    return device, dtype
+
+
 def measure_device(device: torch.device, dtype: torch.dtype) -> dict:
     """Measured copy bandwidth and matmul rate of ``device``.
 
