@@ -75,7 +75,7 @@ case "$part" in
     raw=/tmp/gpu-raw; rm -rf "$raw"; mkdir -p "$raw"; start=$SECONDS; budget=${BUDGET:-560}
     # STEPS="part:which:cap ..." runs other parts (a follow-up call), e.g. the norms' check:
     #   STEPS="norms::60 8b:new:120 1b:new:90 cold::40" MODES=auto,auto-modelnorm
-    for step in ${STEPS:-tests::110 lmeval::200 profile::120 nested::70 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
+    for step in ${STEPS:-tests::110 lmeval::240 profile::100 nested::60 compiled::170 8b:new:200 1b:new:150 phases::110 8b:old:100 1b:old:80 trie::100 long::200 cascade::150 cold::40}; do
       IFS=: read -r p which cap <<< "$step"
       left=$((budget - (SECONDS - start))); [ "$cap" -lt "$left" ] || cap=$left
       if [ "$cap" -lt 20 ]; then echo "== $p ${which}: not run ($left s left)"; continue; fi
@@ -141,7 +141,7 @@ case "$part" in
     done ;;
   lmeval)  # issue 66: lm-eval's HFLM (batch_size=64) vs GenbackLM on one model, four request mixes
     lmeval_site
-    for run in ${LMEVAL_RUNS:-llama-3.2-1b:bf16 llama-3.1-8b:bf16 llama-3.2-1b:fp32}; do
+    for run in ${LMEVAL_RUNS:-llama-3.2-1b:bf16 llama-3.2-1b:fp32 llama-3.1-8b:bf16}; do  # (most wanted first)
       python3 benchmarks/bench_lmeval_gpu.py --shape ${run%:*} --dtype ${run#*:} ${LMEVAL_ARGS:-} \
         --json "$out/lmeval-${run%:*}-${run#*:}.json" 2>&1 | tee "$out/lmeval-${run%:*}-${run#*:}.log"
     done ;;
