@@ -160,16 +160,11 @@ def describe(a: dict) -> str:
     return ", ".join(parts)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(device, fn):
-    _sync(device)
+    G._sync(device)
     t0 = time.perf_counter()
     out = fn()
-    _sync(device)
+    G._sync(device)
     return out, time.perf_counter() - t0
 
 

@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
                 best = min(best, B.timed(device, lambda: B.call(gb, mix, reqs))[1])
             lm.clear_cache()
             lm.clear_kv_cache()
-            wall, cpu, top = profiled(lambda: (B.call(gb, mix, reqs), B._sync(device)))
+            wall, cpu, top = profiled(lambda: (B.call(gb, mix, reqs), B.G._sync(device)))
             out[mix] = {"requests": len(reqs), "wall": best, "profiled_wall": wall, "cpu": cpu,
                         "top": top}
             shares = ", ".join(f"{r} {s:.3f} s ({s / wall:.0%})" for r, s in sorted(
