@@ -311,3 +311,36 @@ async def test_context_objects_on_smollm2_and_in_batch_calls(module_smol_lm):
     assert lm.tokenizer.decode(int(lm.next_token_logprobs_sync(ctx).argmax())) == " Paris"
     with pytest.raises(TypeError, match="token_ids"):
         lm.context("The capital")
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=2 * TAIL_MAX + 5),
+       steps=st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 100)),
+                               min_size=2, max_size=8), min_size=1, max_size=2 * TAIL_MAX + 3))
+def test_a_steps_check_at_once_equals_the_check_of_each_context(prompt, steps):
+    """``check_step`` (an SMC step's contexts checked in array passes) against one
+    ``check_context`` each, on twin chains of ``lm.context`` objects over many steps (tails
+    filled and flattened; parents picked with repeats, as resampling does): the same hashes,
+    parents and lengths, the contexts marked checked alike; a step with an id out of range is
+    left to the one-by-one check (None, nothing marked), which names it."""
+    fast, slow = ContextChecker(vocab_size=100), ContextChecker(vocab_size=100)
+    a = [fast.check_context(list(prompt))[0]] * 6
+    b = [slow.check_context(list(prompt))[0]] * 6
+    for step in steps:
+        na = [a[i] + [t] for i, t in step]
+        nb = [b[i] + [t] for i, t in step]
+        got = fast.check_step(na)
+        if any(not 0 <= t < 100 for _, t in step):
+            assert got is None and all(c.vocab == 0 and c.parent is not None for c in na)
+            bad = next(i for i, (_, t) in enumerate(step) if not 0 <= t < 100)
+            with pytest.raises(ValueError, match="is outside"):
+                fast.check_context(na[bad])
+            continue
+        want = [slow.check_context(c) for c in nb]
+        hashes, parents, lengths = got
+        assert hashes == [h for _, h, _ in want] == [context_hash(tuple(c)) for c in nb]
+        assert lengths == [len(c) for c in nb]
+        assert [list(p) for p in parents] == [list(p) for _, _, p in want]
+        assert all(c.vocab == 100 and c.parent is None for c in na)
+        a, b = (na * 6)[:6], (nb * 6)[:6]
+    assert fast.check_step([a[0]]) is None  # (one context: the one-by-one check)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from genback.batching.batcher import Batcher, BatcherClosed
+from genback.queries.rows import StepRows
 
 
 @contextmanager
@@ -86,3 +87,83 @@ async def test_batch_rows_equal_single_rows_and_one_future_serves_them(tiny_lm):
     assert torch.equal(batch[4], first)
     batch[0].zero_()  # the caller's own tensor: nothing cached changed
     assert torch.allclose(await lm.next_token_logprobs(contexts[0]), singles[0], atol=1e-5)
+
+
+async def test_a_step_call_is_one_entry_that_later_callers_join():
+    """A group queued into an empty pending batch (a step's one call) is one entry: later
+    callers of its keys join it (computed once), repeated keys are computed once and their
+    later items get copies, and the counts see every caller and distinct query."""
+    with _batcher() as (b, computed):
+        group = b.enqueue_many([(k, k) for k in (5, 3, 5, 4)])
+        loop = asyncio.get_running_loop()
+        assert b.pending(loop) == [5, 3, 4]  # its distinct queries
+        joiner, other = b.enqueue(3, 3), b.enqueue(9, 9)
+        got, alone, nine = await group, await joiner, await other
+        assert computed == [[5, 3, 4, 9]] and b.queries == 4 and b.batches == 1
+        assert got == [[5], [3], [5], [4]] and alone == [3] and nine == [9]
+        assert got[0] is not got[2] and got[1] is not alone  # copies for second callers
+        assert b._states[loop].sizes[1] == 6  # its four items and two single callers
+
+
+async def test_a_cancelled_step_call_still_serves_its_joiners():
+    with _batcher(window=0.05) as (b, computed):
+        group = b.enqueue_many([(1, 1), (2, 2), (3, 3)])
+        joiner = b.enqueue(2, 2)
+        group.cancel()
+        assert await joiner == [2] and computed == [[2]]
+        late = b.enqueue(2, 2)  # a new batch: its own entry
+        assert await late == [2] and computed == [[2], [2]]
+
+
+async def test_a_failing_query_of_a_step_call_fails_it_and_its_joiner_only_there():
+    with _batcher() as (b, computed):
+        group = b.enqueue_many([(1, 1), ("bad y", "bad y")])
+        good, bad = b.enqueue(1, 1), b.enqueue("bad y", "bad y")
+        with pytest.raises(ValueError, match="bad y"):
+            await group
+        assert await good == [1]
+        with pytest.raises(ValueError, match="bad y"):
+            await bad
+        assert computed == [[1, "bad y"]]
+
+
+async def test_a_step_call_larger_than_a_batch_is_split_as_before():
+    computed: list = []
+
+    def compute(queries):
+        computed.append(list(queries))
+        return [[q] for q in queries]
+    b = Batcher(compute, window=0.0, max_batch_size=3)
+    try:
+        assert await b.enqueue_many([(k, k) for k in range(7)]) == [[k] for k in range(7)]
+        assert sorted(map(len, computed)) == [1, 3, 3]
+        assert await b.enqueue_many([(k, k) for k in (1, 1, 2)]) == [[1], [1], [2]]
+        assert computed[-1] == [1, 2]  # (fits: one entry, a repeated key once)
+    finally:
+        b.close()
+
+
+async def test_a_steps_rows_come_as_their_block_and_are_the_callers_own(tiny_lm, monkeypatch):
+    """An SMC step of ``lm.context`` objects in one call (every row new: one batcher entry, the
+    rows handed as the block they were computed in; with a repeated context, stacked): the rows
+    equal single queries' on a fresh state, and writing into the returned tensor changes no
+    cached row."""
+    lm = tiny_lm
+    stacked = []
+    real = StepRows.stacked
+    monkeypatch.setattr(StepRows, "stacked", lambda self: stacked.append(len(self)) or real(self))
+    root = lm.context([1, 2, 3, 4])
+    await lm.next_token_logprobs(root)
+    tokens = [(5, 6, 7, 8), (9, 10, 9)]
+    steps = [await lm.batch_next_token_logprobs([root + [t] for t in ts]) for ts in tokens]
+    assert stacked == [4]  # (the first step: its block; the second: a repeated row's copy)
+    kept = [s.clone() for s in steps]
+    for s in steps:
+        s.zero_()  # (the caller's own: the output cache keeps copies)
+    for ts, k in zip(tokens, kept):
+        assert torch.equal(await lm.batch_next_token_logprobs([root + [t] for t in ts]), k)
+    lm.clear_cache()
+    lm.clear_kv_cache()
+    for ts, k in zip(tokens, kept):
+        singles = torch.stack([await lm.next_token_logprobs([1, 2, 3, 4, t]) for t in ts])
+        assert torch.allclose(k, singles, atol=1e-5)

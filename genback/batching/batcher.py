@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
 from ..cpython import held_inline, hold_collections, release
-from .pending import (Entry, LoopState, fail_entries, fail_threadsafe, live_entries,
+from .pending import (Bulk, Entry, LoopState, fail_entries, fail_threadsafe, live_entries,
                       release_closed_holds)
 from .groups import Member, QueryGroup
 
@@ -155,8 +155,15 @@ class Batcher:
             group.future.set_result([])
             return group.future
         with self._lock:
-            for i, (key, query) in enumerate(items):
-                self._add(state, loop, key, query, Member(group, i))
+            if not state.pending and len(items) <= self.max_batch_size:  # (a step: one entry)
+                bulk = Bulk(items, group)
+                self._open(state, loop)
+                state.pending[bulk] = state.bulk = bulk
+                state.extra = len(bulk.queries) - 1
+                state.callers += len(items)
+            else:
+                for i, (key, query) in enumerate(items):
+                    self._add(state, loop, key, query, Member(group, i))
             ready, check = self._decide(state)
         if ready or check:
             self._after_add(state, loop, ready, check)
@@ -174,20 +181,29 @@ class Batcher:
         pending batch; under the lock."""
         state.callers += 1
         pending = state.pending
-        if not pending:  # (its window's timer is armed only if no cohort check sends it: _arm)
+        if not pending:  # (as _open, inline: a call less a query's way in)
             state.window_expired, state.opened = self.window == 0, loop.time()
             if self.defer_collections and self.inline_cohort and state.gc_hold is None:
                 state.gc_hold = hold_collections()
+        elif state.bulk is not None and state.bulk.join(key, sink):  # (asked by a step's call)
+            return
         entry = pending.setdefault(key, new := Entry(query, sink))  # (one hash of a new key)
         if entry is not new and entry.live():
             entry.waiters.append(sink)
         elif entry is not new:  # a replaced entry had only cancelled callers
             pending[key] = new
 
+    def _open(self, state: LoopState, loop) -> None:
+        """Open an empty pending batch (its window's timer is armed only if no cohort check
+        sends it: :meth:`_arm`); under the lock."""
+        state.window_expired, state.opened = self.window == 0, loop.time()
+        if self.defer_collections and self.inline_cohort and state.gc_hold is None:
+            state.gc_hold = hold_collections()
+
     def _decide(self, state: LoopState) -> tuple[bool, bool]:
         """``(ready, check)`` after queries joined: the batch can go now; a cohort check is to
         be queued (then marked queued). Under the lock."""
-        ready = state.window_expired or len(state.pending) >= self.max_batch_size
+        ready = state.window_expired or state.size() >= self.max_batch_size
         check = not ready and not state.check_queued and state.sizes[1] > 0
         if check:
             state.check_queued = True
@@ -222,6 +238,7 @@ class Batcher:
             for state in states:
                 entries = list(state.pending.values())
                 state.pending.clear()
+                state.bulk, state.extra = None, 0
                 state.callers = 0
                 release(state.take_hold())
                 # a timer left running only dispatches an (empty or newer) batch early
@@ -235,7 +252,13 @@ class Batcher:
         """The queries waiting in ``loop``'s pending batch (not yet dispatched), oldest first."""
         with self._lock:
             state = self._states.get(loop)
-            return [] if state is None else [e.query for e in state.pending.values() if e.live()]
+            if state is None:
+                return []
+            out = []
+            for e in state.pending.values():
+                if e.live():
+                    out.extend(e.queries) if type(e) is Bulk else out.append(e.query)
+            return out
 
     def flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Dispatch ``loop``'s pending batch now instead of at the end of its window (it still
@@ -288,7 +311,7 @@ class Batcher:
         with self._lock:
             if state.busy or not state.pending:
                 return
-            if not (state.window_expired or len(state.pending) >= self.max_batch_size):
+            if not (state.window_expired or state.size() >= self.max_batch_size):
                 return
             batch = self._take_batch(state)
             hold, state.gc_hold = state.gc_hold, None  # (take_hold inline: a call less a step)
@@ -299,7 +322,8 @@ class Batcher:
             state.callers = max(0, state.callers - callers) if state.pending else 0
             state.sizes = (state.sizes[1], callers)
         self.batches += 1
-        self.queries += len(batch)
+        self.queries += len(batch) if type(batch[0]) is not Bulk else (
+            len(batch) - 1 + len(batch[0].queries))
         if cohort and self.inline_cohort:
             self.inline_batches += 1
             self._run_inline(state, batch, hold)
@@ -315,6 +339,8 @@ class Batcher:
         """``(results, None)`` of computing ``batch``, or ``(None, error)``: what it raised, which
         fails exactly this batch's callers."""
         try:
+            if type(batch[0]) is Bulk:  # (a step's call: its queries, then any other's)
+                return self._compute(batch[0].queries + [e.query for e in batch[1:]]), None
             return self._compute([e.query for e in batch]), None
         except BaseException as e:
             return None, e
@@ -344,17 +370,24 @@ class Batcher:
             raise exc
 
     def _take_batch(self, state: LoopState) -> list[Entry]:
-        pending = state.pending
-        if len(pending) <= self.max_batch_size:  # (mostly: all of it, no key hashed again)
+        pending, bulk = state.pending, state.bulk
+        if bulk is not None:  # (first in pending; taken now, whatever else is)
+            state.bulk, state.extra = None, 0
+            if bulk.group.future.done():  # the step's caller was cancelled: its joiners' queries
+                del pending[bulk]
+                pending.update(bulk.joiners())  # (no other entry has their keys: they joined)
+        room = self.max_batch_size
+        if len(pending) <= room:  # (mostly: all of it, no key hashed again)
             batch = live_entries(pending.values())
             pending.clear()
-        else:  # its first max_batch_size live entries (dead ones before them dropped)
+        else:  # its first max_batch_size live queries (dead entries before them dropped)
             batch = []
             for key in list(pending):
                 entry = pending.pop(key)
                 if entry.live():  # (else all of its callers were cancelled: never computed)
                     batch.append(entry)
-                    if len(batch) == self.max_batch_size:
+                    room -= len(entry.queries) if type(entry) is Bulk else 1
+                    if room <= 0:
                         break
         if not pending:
             if state.timer is not None:
@@ -368,12 +401,18 @@ class Batcher:
         if exc is not None:
             fail_entries(batch, exc)
         else:
-            if len(results) != len(batch):
+            expected = len(batch) if type(batch[0]) is not Bulk else (
+                len(batch) - 1 + len(batch[0].queries))
+            if len(results) != expected:
                 fail_entries(batch, RuntimeError(
-                    f"batch computation returned {len(results)} results for {len(batch)} queries"
+                    f"batch computation returned {len(results)} results for {expected} queries"
                 ))
             else:
                 copy = self._copy
+                if type(batch[0]) is Bulk:  # (a step's call: answered as one)
+                    k = len(batch[0].queries)
+                    batch[0].answer(results if k == len(results) else results[:k], copy)
+                    batch, results = batch[1:], results[k:]
                 for entry, result in zip(batch, results):
                     failed = isinstance(result, BaseException)  # fails this query only
                     first = True

@@ -29,6 +29,98 @@ class Entry:
         return not all(map(_done, self.waiters))
 
 
+class Bulk:
+    """One caller's several queries as one pending entry: :meth:`genback.batching.batcher.Batcher.enqueue_many`
+    into an empty pending batch (a step asked by one ``batch_next_token_logprobs`` call), without
+    an :class:`Entry`, a group member or an answer per query.
+
+    ``queries``: its distinct queries, in the order of their first item; ``index``: each key's
+    first item; ``first``: each item's first item of its key (None: no key repeats). Callers
+    that ask one of its keys while it is pending join it (``extra``: first item -> their
+    futures). ``waiters`` lists the group's future once per item, then the joiners' futures
+    (what :func:`live_entries`, :func:`fail_entries` and the batcher's counts of callers read of
+    any entry)."""
+
+    __slots__ = ("queries", "index", "first", "group", "extra", "n")
+
+    def __init__(self, items, group):
+        index: dict = {}
+        self.first = list(map(index.setdefault, map(_key, items), range(len(items))))
+        if len(index) == len(items):  # (no key repeats: the items themselves)
+            self.first = None
+            self.queries = list(map(_query, items))
+        else:
+            self.queries = [items[i][1] for i in index.values()]
+        self.index, self.group, self.extra, self.n = index, group, None, len(items)
+
+    @property
+    def waiters(self) -> list:
+        out = [self.group.future] * self.n
+        if self.extra:
+            for _, futures in self.extra.values():
+                out.extend(futures)
+        return out
+
+    def live(self) -> bool:
+        return not all(map(_done, self.waiters))
+
+    def join(self, key, waiter) -> bool:
+        """Add ``waiter`` (another caller's future or group member) to this entry's query of
+        ``key``; False when it has none."""
+        at = self.index.get(key)
+        if at is None:
+            return False
+        if self.extra is None:
+            self.extra = {}
+        self.extra.setdefault(at, (key, []))[1].append(waiter)
+        return True
+
+    def joiners(self) -> list[tuple]:
+        """``(key, entry)`` of each query that joiners wait for, as a plain :class:`Entry` (the
+        group itself was cancelled)."""
+        out, ranks = [], self._ranks()
+        for at, (key, futures) in (self.extra or {}).items():
+            entry = Entry(self.queries[ranks[at]], futures[0])
+            entry.waiters.extend(futures[1:])
+            out.append((key, entry))
+        return out
+
+    def _ranks(self) -> dict:
+        """First item -> position in ``queries``."""
+        return dict(zip(self.index.values(), range(len(self.index))))
+
+    def answer(self, results: list, copy) -> None:
+        """Answer the group and the joiners from ``results`` (one per query of ``queries``, in
+        order; an exception instance fails that query's callers: the group at its first)."""
+        group = self.group.future
+        failed = [r for r in results if isinstance(r, BaseException)]
+        ranks = self._ranks() if self.first is not None or self.extra else None
+        if not group.done():
+            if failed:
+                group.set_exception(failed[0])
+            elif self.first is None:
+                group.set_result(results)
+            else:  # each key's first item gets its result, a repeated one a copy
+                out = list(map(results.__getitem__, map(ranks.__getitem__, self.first)))
+                if copy is not None:
+                    for i, f in enumerate(self.first):
+                        if f != i:
+                            out[i] = copy(out[i])
+                group.set_result(out)
+        for at, (_, futures) in (self.extra or {}).items():
+            result = results[ranks[at]]
+            for f in futures:
+                if f.done():
+                    continue
+                if isinstance(result, BaseException):
+                    f.set_exception(result)
+                else:
+                    f.set_result(result if copy is None else copy(result))
+
+
+_key, _query = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def live_entries(entries) -> list[Entry]:
     """The entries of ``entries`` that a caller still waits for (:meth:`Entry.live` of each,
     without a Python frame per entry: a batch's callers are mostly C-level futures)."""
@@ -50,6 +142,12 @@ class LoopState:
         self.check_queued = False  # a _check_cohort is queued on the loop
         # the pending batch's hold on young collections (genback.cpython.CollectionHold)
         self.gc_hold = None
+        self.bulk: Bulk | None = None  # the pending batch's Bulk (its first entry), if any
+        self.extra = 0  # its queries beyond one: len(pending) + extra queries are pending
+
+    def size(self) -> int:
+        """Distinct queries pending."""
+        return len(self.pending) + self.extra
 
     def take_hold(self):
         """The pending batch's hold on young collections, handed over (None: none)."""

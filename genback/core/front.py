@@ -42,7 +42,8 @@ from .adapters import Adapters
 from .autocast import no_autocast
 from .batch_options import BatchOptions
 from .inputs import ContextChecker, check_lora, check_positive_int
-from ..queries.rows import copy_result, kept_copies, own, owned_copies
+from ..queries.rows import (StepRows, copy_result, kept_copies, made_blocks, own,
+                            owned_copies)
 
 
 class Front(BatchOptions):
@@ -222,6 +223,13 @@ class Front(BatchOptions):
         """
         adapter = None if lora_name is None else self.adapter_key(lora_name)
         check, limit = self.contexts.check_context, self.max_context_length
+        step = self.contexts.check_step(contexts)
+        if step is not None and not (limit and max(step[2]) > limit):  # (an SMC step's)
+            hashes, parents, lengths = step
+            queries = NextToken.many(contexts, adapter, hashes, parents, lengths)
+            self.check_open()
+            self.count(sum(lengths), len(queries))
+            return queries, self.cache.get_many(queries)
         queries = []
         tokens = 0
         try:
@@ -348,10 +356,15 @@ class Front(BatchOptions):
         if len(mine) < len(todo):  # (all of them, or the failures and uncacheable results)
             rest = [i for i in todo if i not in mine]
             self._store([queries[i] for i in rest], [results[i] for i in rest])
+        blocks = None
         if mine and self.cache.max_entries:  # (the cache's copies: none when it keeps none)
             every = len(fresh) == len(queries)  # (mostly: the lists as they are)
+            # (before copy_blocks takes them; one row: its stack is a copy as cheap)
+            blocks = made_blocks(results) if every and len(results) > 1 else None
             self.cache.put_many(zip([queries[i].without_parent() for i in fresh],
                                     kept_copies(results if every else [results[i] for i in fresh])))
+            if blocks is not None:  # (the callers' rows as they are: a step's blocks, held
+                return StepRows(results, blocks)  # by nothing else now)
         at = [i for i, (q, r) in enumerate(zip(queries, results)) if q.cacheable and
               isinstance(r, torch.Tensor) and i not in mine] if len(mine) < len(queries) else ()
         for i, row in zip(at, owned_copies([results[i] for i in at]) if at else ()):

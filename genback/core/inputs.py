@@ -5,7 +5,8 @@ from __future__ import annotations
 import numbers
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import islice
+import operator
+from itertools import islice, repeat
 from typing import NoReturn
 
 import numpy as np
@@ -15,6 +16,11 @@ from ..queries.context import Context, exact_ints
 from ..cpython import untrack_ids
 from ..cpython import same_items
 from ..queries.kinds import HASH_TAIL, context_hash
+
+_parent_of, _vocab_of, _n_of = (operator.attrgetter("parent"), operator.attrgetter("vocab"),
+                                operator.attrgetter("_n"))
+_is, _sub = operator.is_, operator.sub
+_ONLY_CONTEXT, _ONE = {Context}, {1}
 
 
 def check_token_ids(
@@ -194,6 +200,43 @@ class ContextChecker:
         if parent is not None and (parent._n != ctx._n - 1 or not 0 < parent.vocab <= vocab):
             parent = None
         return ctx, h, parent
+
+    def check_step(self, contexts: list) -> tuple[list, list, list] | None:
+        """:meth:`check_context` of a step's contexts at once, when each is a caller's
+        :class:`~genback.queries.context.Context` made by ``+`` of one id from a context checked
+        for this vocabulary (an SMC step over ``lm.context`` objects): ``(hashes, parents,
+        lengths)``, each context marked checked and remembered, as one call of
+        :meth:`_check_object` each would leave them, but in array passes (the parents, their
+        lengths and the added ids read by C-level getters; the ids' range by ``min`` and
+        ``max``). None, with nothing changed, when any context is not such a one (the caller
+        checks them one by one then, and names a bad one)."""
+        if len(contexts) < 2 or set(map(type, contexts)) != _ONLY_CONTEXT:
+            return None
+        parents = list(map(_parent_of, contexts))
+        if any(map(_is, parents, repeat(None))) or any(map(_vocab_of, contexts)):
+            return None
+        vocab = self.vocab_size
+        checked = list(map(_vocab_of, parents))
+        if min(checked) <= 0 or max(checked) > vocab:
+            return None
+        lengths = list(map(_n_of, contexts))
+        if set(map(_sub, lengths, map(_n_of, parents))) != _ONE:
+            return None
+        added = [(c.tail or c.base)[-1] for c in contexts]
+        if min(added) < 0 or max(added) >= vocab:
+            return None
+        for c in contexts:  # (checked: nothing before it is kept alive by it)
+            c.vocab, c.parent = vocab, None
+        hashes = [hash((c._n, c.tail[-HASH_TAIL:] if len(c.tail) >= HASH_TAIL
+                        else c.base[len(c.tail) - HASH_TAIL:] + c.tail)) for c in contexts]
+        seen = self._seen  # (remembered at once: a hash seen before keeps its place)
+        seen.update(zip(hashes, contexts))
+        for _ in range(len(seen) - self.max_contexts):
+            try:
+                seen.popitem(last=False)
+            except KeyError:  # emptied meanwhile by another thread
+                break
+        return hashes, parents, lengths
 
     def _checked_chain(self, ctx: Context, name: str) -> bool:
         """Check ``ctx`` and the contexts it was made from by ``+`` back to one checked for this

@@ -20,7 +20,7 @@ from ..batching.batcher import BatchAbandoned, Batcher, BatcherClosed  # noqa: F
 from ..queries.context import Context
 from ..cpython import freeze_startup_heap
 from ..queries.kinds import Query  # noqa: F401 (genback.llm's name of the base kind)
-from ..queries.rows import own
+from ..queries.rows import StepRows, own
 from ..batching.runner import Runner
 from ..queries.sampling import Choice, Pick, SamplingParams
 from .decoding import Decoding
@@ -225,6 +225,8 @@ class AsyncLM:
         todo = [i for i, row in enumerate(rows) if row is None]
         if len(todo) == len(rows):  # (an SMC step: every row new)
             rows = await front.submit_many(queries)
+            if type(rows) is StepRows:  # (its rows in its blocks, in order: no stack)
+                return rows.stacked()
         elif todo:
             for i, row in zip(todo, await front.submit_many([queries[i] for i in todo])):
                 rows[i] = row

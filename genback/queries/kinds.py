@@ -138,6 +138,22 @@ class NextToken(Query):
     __slots__ = ()
     cacheable = True
 
+    @classmethod
+    def many(cls, contexts: list, adapter, hashes: list, parents: list, lengths: list
+             ) -> list["NextToken"]:
+        """The queries ``NextToken(contexts[i], adapter, tokens_hash=hashes[i],
+        parent=parents[i], n_tokens=lengths[i])`` of a step, built without a call of
+        ``__init__`` each (its keywords cost ~0.5 us a query)."""
+        new, out, name = object.__new__, [], cls.__name__
+        append = out.append
+        for context, h, parent, n in zip(contexts, hashes, parents, lengths):
+            q = new(cls)
+            q.context, q.adapter, q.parent, q.tokens_hash, q.n_tokens = (
+                context, adapter, parent, h, n)
+            q._hash = hash((name, h, adapter))  # (as __init__'s: no extra)
+            append(q)
+        return out
+
     def without_parent(self) -> "NextToken":
         """An equal query without the lineage hint ``parent`` (``self`` when it has none): the
         key the output cache keeps, so that a cached row does not keep its parent context

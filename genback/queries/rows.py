@@ -116,6 +116,34 @@ def copy_blocks(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.stack(rows[a:a + per]) for a in range(0, len(rows), per)]
 
 
+def made_blocks(rows: list) -> list[torch.Tensor] | None:
+    """The blocks of ``rows`` when they are, in order, the very rows that the last
+    :func:`log_softmax_rows` on this thread made (a step's rows, right after its forward), else
+    None. Nothing is taken: :func:`copy_blocks` still finds them."""
+    made = getattr(_made, "last", None)
+    if made is not None and len(made[0]) == len(rows) and all(map(_is, rows, made[0])):
+        return made[1]
+    return None
+
+
+class StepRows(list):
+    """A compute step's results (a list, one per query) whose rows are, in order, the rows of
+    ``blocks`` (:func:`made_blocks`), for a caller that wants them as one ``[N, V]`` tensor
+    (``batch_next_token_logprobs``): the blocks themselves, which nothing else holds once the
+    output cache kept copies of the rows, instead of a stack of the rows."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, results, blocks):
+        super().__init__(results)
+        self.blocks = blocks
+
+    def stacked(self) -> torch.Tensor:
+        """The rows as one tensor ``[N, *row shape]`` (the blocks joined)."""
+        blocks = self.blocks
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
 def owned_copies(rows: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of equal-shaped ``rows`` (one device, one dtype), one copy per block
     (:func:`copy_blocks`): each copy a view of its block (a single row: its clone)."""
