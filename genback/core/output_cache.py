@@ -23,8 +23,10 @@ row, nothing per step): the memory the cache keeps alive stays within about twic
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections import OrderedDict
+from itertools import repeat
 from typing import Hashable
 
 from ..queries.rows import compact
@@ -64,11 +66,12 @@ class OutputCache:
     def get_many(self, keys) -> list:
         """:meth:`get` of each key, under one lock (a key that is None: no lookup, None)."""
         rows, hit = self._rows, self._hit
-        out = []
-        with self._lock:
-            for key in keys:  # (a miss costs a dict look-up only: SMC steps miss)
-                row = None if key is None else rows.get(key)
-                out.append(None if row is None else hit(key, row))
+        with self._lock:  # (every key looked up in C; a frame only for a hit: SMC steps miss)
+            out = list(map(rows.get, keys))  # (None is never a key: its look-up misses)
+            if any(map(_is_not, out, repeat(None))):
+                for i, (key, row) in enumerate(zip(keys, out)):
+                    if row is not None:
+                        out[i] = hit(key, row)
         return out
 
     def _hit(self, key: Hashable, row):
@@ -90,6 +93,18 @@ class OutputCache:
         rows, devices, move = self._rows, self._devices, self.move_to_cpu
         with self._lock:
             held = self.bytes_held
+            if not move:  # (mostly every key new: one update in C, their bytes summed)
+                items = list(items)
+                n = len(rows)
+                rows.update(items)
+                if len(rows) == n + len(items):
+                    held += sum(map(_nbytes, map(_row, items)))
+                    items = ()
+                else:  # (some were kept already: replaced, and now the most recent, one by one)
+                    for key, _ in items:
+                        rows.move_to_end(key)
+                    held = sum(map(_nbytes, rows.values()))
+                    items = ()
             for key, row in items:
                 if move and hasattr(row, "device"):
                     devices[key] = row.device
@@ -145,6 +160,9 @@ class OutputCache:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._rows
+
+
+_is_not, _row = operator.is_not, operator.itemgetter(1)
 
 
 def _nbytes(row) -> int:
