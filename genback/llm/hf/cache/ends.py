@@ -15,7 +15,12 @@ a new object at a reused address; a note is trusted only while its node still en
 
 from __future__ import annotations
 
+import operator
 from itertools import repeat
+
+_is, _is_not, _eq = operator.is_, operator.is_not, operator.eq
+_tokens, _node, _adapter, _length = (operator.itemgetter(i) for i in range(4))
+_slots, _parent, _depth = (operator.attrgetter(a) for a in ("slots", "parent", "depth"))
 
 
 class Ends:
@@ -50,6 +55,17 @@ class Ends:
         that query's context object was noted, and the others' children find their parents
         this way."""
         current, before = self._current, self._before
+        if type(contexts) is list:
+            # (an SMC step's parents, each noted by the step before: one look-up each in C,
+            # the notes' objects, adapters, nodes and depths compared in C; any miss: below)
+            notes = list(map(current.get, map(id, contexts)))
+            if None not in notes and all(map(_is, map(_tokens, notes), contexts)) \
+                    and all(map(_eq, map(_adapter, notes), repeat(adapter))):
+                nodes = list(map(_node, notes))
+                if (all(map(_is_not, map(_slots, nodes), repeat(None)))
+                        and all(map(_is_not, map(_parent, nodes), repeat(None)))
+                        and list(map(_depth, nodes)) == list(map(_length, notes))):
+                    return nodes
         out = []
         for tokens in contexts:
             end = current.get(id(tokens)) or before.get(id(tokens))
