@@ -117,7 +117,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its sibling, run from anywhere)
 import host_loop  # noqa: E402
-from host_clocks import ForwardTimer, GcClock, StepClock, ask  # noqa: E402
+from host_clocks import ForwardTimer, GcClock, StepClock, as_rows, ask  # noqa: E402
 from tiny_lm import load, text_ids  # noqa: E402
 
 DEFAULT_GRID = {"tiny": ([16, 256, 1024], [100, 1000, 4000, 16000]),
@@ -226,7 +226,7 @@ async def smc_cell(model, tok, n: int, context: int, *, steps: int, warmup: int 
     try:
         for step in range(warmup + 1 + steps):
             if step <= warmup:  # the prompt's prefill, then warm-up steps: not measured
-                rows = await ask(lm, parts, api)
+                rows = as_rows(await ask(lm, parts, api))
             else:
                 rows = await clock.step(parts)
                 answered += len(rows)

@@ -132,6 +132,7 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
             t0 = time.perf_counter()
             rows = await bh.ask(lm, parts, api)
             t1 = time.perf_counter()
+            rows = bh.as_rows(rows)  # (the trace's, after the clock)
             if step >= 3:  # (the prefill and two warm-up steps are not measured)
                 fwd = timer.wall - fwd0
                 dispatch = t.get("_run_inline0", t.get("submit0"))  # (this step's)
