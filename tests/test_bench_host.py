@@ -204,3 +204,20 @@ def test_cold_ops_times_every_operation_under_every_condition():
     for c in cells:
         assert all(math.isfinite(c[o]) and c[o] > 0 for o in cold.OPS)
         assert c["sum"] == pytest.approx(sum(c[o] for o in cold.OPS))
+
+
+def test_host_ab_runs_two_versions_side_by_side_in_one_process():
+    """``host_ab.py``: a revision's package under a name of its own beside the working tree's,
+    both on one model in one process (their attention functions registered apart: a copy that
+    kept genback's names would run the other's), one row per version with finite host times
+    and the first version's ratio 1; an unknown route is refused."""
+    spec = importlib.util.spec_from_file_location("host_ab", BENCH.parent / "lab" / "host_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    rows = ab.main(["--side", "HEAD:batch-context", "--side", ".:gather", "--particles", "3",
+                    "--contexts", "20", "--steps", "3"])
+    assert [(r["rev"], r["route"]) for r in rows] == [("HEAD", "batch-context"), (".", "gather")]
+    assert rows[0]["x"] == 1.0 and rows[0]["paired"] == 1.0
+    assert all(math.isfinite(r["query_us"]) and r["query_us"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="route must be one of"):
+        ab.run([(".", "gathre")], [2], [10], 1)
