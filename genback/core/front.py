@@ -224,9 +224,9 @@ class Front(BatchOptions):
         adapter = None if lora_name is None else self.adapter_key(lora_name)
         check, limit = self.contexts.check_context, self.max_context_length
         step = self.contexts.check_step(contexts)
-        if step is not None and not (limit and max(step[2]) > limit):  # (an SMC step's)
-            hashes, parents, lengths = step
-            queries = NextToken.many(contexts, adapter, hashes, parents, lengths)
+        if step is not None and not (limit and max(step[3]) > limit):  # (an SMC step's)
+            checked, hashes, parents, lengths = step
+            queries = NextToken.many(checked, adapter, hashes, parents, lengths)
             self.check_open()
             self.count(sum(lengths), len(queries))
             return queries, self.cache.get_many(queries)
