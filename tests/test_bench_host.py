@@ -162,15 +162,15 @@ def test_step_timeline_times_every_phase_and_unwraps():
     from concurrent.futures import ThreadPoolExecutor
 
     from genback.batching.batcher import Batcher
-    from genback.core import front
+    from genback.core import compute
     from genback.core.front import Front
     from genback.core.output_cache import OutputCache
     from genback.llm.hf import runner
 
     def parts():
         return (runner.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
-                runner.HFRunner._evict, OutputCache.put_many, front.kept_copies,
-                front.owned_copies)
+                runner.HFRunner._evict, OutputCache.put_many, compute.kept_copies,
+                compute.owned_copies)
 
     spec = importlib.util.spec_from_file_location("bench_step_timeline",
                                                   BENCH.parent / "lab" / "bench_step_timeline.py")

@@ -63,7 +63,7 @@ class Clocks:
 
     def __init__(self):
         from genback.batching import batcher
-        from genback.core import front
+        from genback.core import compute, front
         from genback.core.output_cache import OutputCache
         from genback.llm.hf import runner
         from genback.llm.hf.decode.step import DecodeStep
@@ -78,7 +78,7 @@ class Clocks:
                  (DecodeStep, "run", "fwd host"), (runner.HFRunner, "_commit", "commit"),
                  (runner.HFRunner, "_commit_step", "commit"),
                  (runner.HFRunner, "_evict", "evict"), (OutputCache, "put_many", "store"),
-                 (front, "kept_copies", "copies"), (front, "owned_copies", "copies")]
+                 (compute, "kept_copies", "copies"), (compute, "owned_copies", "copies")]
         self.saved = [(owner, name, getattr(owner, name)) for owner, name in points] + [
             (owner, name, getattr(owner, name)) for owner, name, _ in parts]
         for owner, name in points:

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence
 
 from ..cpython import held_inline, hold_collections, release
-from .pending import (Bulk, Entry, LoopState, fail_entries, fail_threadsafe, live_entries,
+from .pending import (Bulk, Entry, LoopState, fail_entries, fail_threadsafe,
                       release_closed_holds)
 from .groups import Member, QueryGroup
 
@@ -156,11 +156,8 @@ class Batcher:
             return group.future
         with self._lock:
             if not state.pending and len(items) <= self.max_batch_size:  # (a step: one entry)
-                bulk = Bulk(items, group)
-                self._open(state, loop)
-                state.pending[bulk] = state.bulk = bulk
-                state.extra = len(bulk.queries) - 1
-                state.callers += len(items)
+                state.add_bulk(Bulk(items, group), self.window == 0, loop.time(),
+                               self.defer_collections and self.inline_cohort)
             else:
                 for i, (key, query) in enumerate(items):
                     self._add(state, loop, key, query, Member(group, i))
@@ -181,7 +178,7 @@ class Batcher:
         pending batch; under the lock."""
         state.callers += 1
         pending = state.pending
-        if not pending:  # (as _open, inline: a call less a query's way in)
+        if not pending:  # (its window's timer is armed only if no cohort check sends it: _arm)
             state.window_expired, state.opened = self.window == 0, loop.time()
             if self.defer_collections and self.inline_cohort and state.gc_hold is None:
                 state.gc_hold = hold_collections()
@@ -192,13 +189,6 @@ class Batcher:
             entry.waiters.append(sink)
         elif entry is not new:  # a replaced entry had only cancelled callers
             pending[key] = new
-
-    def _open(self, state: LoopState, loop) -> None:
-        """Open an empty pending batch (its window's timer is armed only if no cohort check
-        sends it: :meth:`_arm`); under the lock."""
-        state.window_expired, state.opened = self.window == 0, loop.time()
-        if self.defer_collections and self.inline_cohort and state.gc_hold is None:
-            state.gc_hold = hold_collections()
 
     def _decide(self, state: LoopState) -> tuple[bool, bool]:
         """``(ready, check)`` after queries joined: the batch can go now; a cohort check is to
@@ -252,13 +242,7 @@ class Batcher:
         """The queries waiting in ``loop``'s pending batch (not yet dispatched), oldest first."""
         with self._lock:
             state = self._states.get(loop)
-            if state is None:
-                return []
-            out = []
-            for e in state.pending.values():
-                if e.live():
-                    out.extend(e.queries) if type(e) is Bulk else out.append(e.query)
-            return out
+            return [] if state is None else state.live_queries()
 
     def flush(self, loop: asyncio.AbstractEventLoop) -> None:
         """Dispatch ``loop``'s pending batch now instead of at the end of its window (it still
@@ -313,7 +297,7 @@ class Batcher:
                 return
             if not (state.window_expired or state.size() >= self.max_batch_size):
                 return
-            batch = self._take_batch(state)
+            batch = state.take_batch(self.max_batch_size)
             hold, state.gc_hold = state.gc_hold, None  # (take_hold inline: a call less a step)
             if not batch:
                 return release(hold)
@@ -368,34 +352,6 @@ class Batcher:
         self._finish(state, batch, results, exc)
         if exc is not None and not isinstance(exc, Exception):
             raise exc
-
-    def _take_batch(self, state: LoopState) -> list[Entry]:
-        pending, bulk = state.pending, state.bulk
-        if bulk is not None:  # (first in pending; taken now, whatever else is)
-            state.bulk, state.extra = None, 0
-            if bulk.group.future.done():  # the step's caller was cancelled: its joiners' queries
-                del pending[bulk]
-                pending.update(bulk.joiners())  # (no other entry has their keys: they joined)
-        room = self.max_batch_size
-        if len(pending) <= room:  # (mostly: all of it, no key hashed again)
-            batch = live_entries(pending.values())
-            pending.clear()
-        else:  # its first max_batch_size live queries (dead entries before them dropped)
-            batch = []
-            for key in list(pending):
-                entry = pending.pop(key)
-                if entry.live():  # (else all of its callers were cancelled: never computed)
-                    batch.append(entry)
-                    room -= len(entry.queries) if type(entry) is Bulk else 1
-                    if room <= 0:
-                        break
-        if not pending:
-            if state.timer is not None:
-                state.timer.cancel()
-                state.timer = None
-            state.window_expired = False
-        # else: the rest has waited at least as long as this batch; it goes as soon as it can
-        return batch
 
     def _finish(self, state: LoopState, batch: list[Entry], results, exc) -> None:
         if exc is not None:

@@ -9,7 +9,7 @@ import asyncio
 import operator
 from typing import Hashable
 
-from ..cpython import release
+from ..cpython import hold_collections, release
 
 _done = operator.methodcaller("done")  # (a future's or a group member's done(), C-level map)
 
@@ -148,6 +148,57 @@ class LoopState:
     def size(self) -> int:
         """Distinct queries pending."""
         return len(self.pending) + self.extra
+
+    def add_bulk(self, bulk: "Bulk", expired: bool, now: float, hold: bool) -> None:
+        """Open the (empty) pending batch with ``bulk``: its window ``expired`` already (a
+        window of 0) or open from ``now``; ``hold``: young collections held while it is pending
+        (:mod:`genback.cpython`, trick 4). Under the batcher's lock."""
+        self.window_expired, self.opened = expired, now
+        if hold and self.gc_hold is None:
+            self.gc_hold = hold_collections()
+        self.pending[bulk] = self.bulk = bulk
+        self.extra = len(bulk.queries) - 1
+        self.callers += bulk.n
+
+    def live_queries(self) -> list:
+        """The queries of the pending batch that a caller still waits for, oldest first."""
+        out = []
+        for e in self.pending.values():
+            if e.live():
+                out.extend(e.queries) if type(e) is Bulk else out.append(e.query)
+        return out
+
+    def take_batch(self, max_batch_size: int) -> list:
+        """The entries of the batch to dispatch now, taken from the pending batch: all of it,
+        or its first entries holding ``max_batch_size`` live queries (dead entries before them
+        dropped; a :class:`Bulk` whose caller was cancelled leaves its joiners' queries as
+        entries). The window's timer is cancelled when nothing is left. Under the lock."""
+        pending, bulk = self.pending, self.bulk
+        if bulk is not None:  # (first in pending; taken now, whatever else is)
+            self.bulk, self.extra = None, 0
+            if bulk.group.future.done():  # the step's caller was cancelled: its joiners' queries
+                del pending[bulk]
+                pending.update(bulk.joiners())  # (no other entry has their keys: they joined)
+        room = max_batch_size
+        if len(pending) <= room:  # (mostly: all of it, no key hashed again)
+            batch = live_entries(pending.values())
+            pending.clear()
+        else:  # its first max_batch_size live queries (dead entries before them dropped)
+            batch = []
+            for key in list(pending):
+                entry = pending.pop(key)
+                if entry.live():  # (else all of its callers were cancelled: never computed)
+                    batch.append(entry)
+                    room -= len(entry.queries) if type(entry) is Bulk else 1
+                    if room <= 0:
+                        break
+        if not pending:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self.window_expired = False
+        # else: the rest has waited at least as long as this batch; it goes as soon as it can
+        return batch
 
     def take_hold(self):
         """The pending batch's hold on young collections, handed over (None: none)."""

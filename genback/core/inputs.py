@@ -13,15 +13,12 @@ import numpy as np
 import torch
 
 from ..queries.context import Context, exact_ints
-from ..cpython import untrack_ids
-from ..cpython import same_items
+from ..cpython import same_items, untrack_ids
 from ..queries.kinds import HASH_TAIL, context_hash
 
-_parent_of, _vocab_of, _n_of = (operator.attrgetter("parent"), operator.attrgetter("vocab"),
-                                operator.attrgetter("_n"))
-_is, _sub = operator.is_, operator.sub
+_parent_of, _vocab_of, _n_of = map(operator.attrgetter, ("parent", "vocab", "_n"))
+_is, _sub, _last_item = operator.is_, operator.sub, operator.itemgetter(-1)
 _ONLY_CONTEXT, _ONLY_LIST, _ONLY_INT, _ONE = {Context}, {list}, {int}, {1}
-_last_item = operator.itemgetter(-1)
 
 
 def check_token_ids(

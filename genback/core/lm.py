@@ -223,14 +223,12 @@ class AsyncLM:
         queries, rows = front.next_token_many(check_list(token_ids_list, "token_ids_list"),
                                               lora_name)
         todo = [i for i, row in enumerate(rows) if row is None]
-        if len(todo) == len(rows):  # (an SMC step: every row new)
+        if len(todo) == len(rows):  # (an SMC step: every row new; its block, when it is one)
             rows = await front.submit_many(queries)
-            if type(rows) is StepRows:  # (its rows in its blocks, in order: no stack)
-                return rows.stacked()
         elif todo:
             for i, row in zip(todo, await front.submit_many([queries[i] for i in todo])):
                 rows[i] = row
-        return torch.stack(rows)
+        return rows.stacked() if type(rows) is StepRows else torch.stack(rows)
 
     def batch_next_token_logprobs_sync(self, token_ids_list, lora_name=None) -> torch.Tensor:
         """Blocking form of :meth:`batch_next_token_logprobs`: one batched computation."""
