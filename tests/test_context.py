@@ -346,41 +346,4 @@ def test_a_steps_check_at_once_equals_the_check_of_each_context(prompt, steps):
         assert all(c.vocab == 100 and c.parent is None for c in na)
         a, b = (na * 6)[:6], (nb * 6)[:6]
     assert fast.check_step([a[0]]) is None  # (one context: the one-by-one check)
-
-
-@settings(max_examples=100, deadline=None)
-@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=2 * TAIL_MAX + 5),
-       steps=st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(-1, 100)),
-                               min_size=2, max_size=8), min_size=1, max_size=2 * TAIL_MAX + 3),
-       swap=st.integers(0, 60))
-def test_a_steps_check_at_once_equals_the_check_of_each_list(prompt, steps, swap):
-    """``check_step`` of plain lists (each the list of a remembered context plus one id, an SMC
-    step over lists) against one ``check_context`` each: equal contexts, hashes, parents and
-    lengths; a list whose earlier items differ from its parent's, or an id out of range, is
-    left to the one-by-one check (None)."""
-    fast, slow = ContextChecker(vocab_size=100), ContextChecker(vocab_size=100)
-    fast.check_context(list(prompt))
-    slow.check_context(list(prompt))
-    parts = [list(prompt)] * 6
-    for step in steps:
-        lists = [parts[i] + [t] for i, t in step]
-        if swap < len(lists[0]) - 1:  # (an earlier item changed: not its parent's list)
-            lists[0] = list(lists[0])
-            lists[0][swap] = (lists[0][swap] + 1) % 100
-        got = fast.check_step(lists)
-        if swap < len(lists[0]) - 1 or any(not 0 <= t < 100 for _, t in step):
-            assert got is None
-            for ids in lists:  # (as a program would go on: each checked one by one)
-                fast.check_context(ids) if all(0 <= t < 100 for t in ids) else None
-            continue
-        want = [slow.check_context(ids) for ids in lists]
-        checked, hashes, parents, lengths = got
-        assert [list(c) for c in checked] == lists == [list(c) for c, _, _ in want]
-        assert hashes == [h for _, h, _ in want] == [context_hash(tuple(ids)) for ids in lists]
-        assert lengths == list(map(len, lists))
-        # (a list equal to one checked before it in the step: the one-by-one check finds that
-        # context itself, with no parent; here its parent is found as for the first)
-        assert all(list(p) == ids[:-1] for p, ids in zip(parents, lists))
-        assert all(w is None or list(w) == list(p) for p, (_, _, w) in zip(parents, want))
-        assert all(c.vocab == 100 for c in checked)
-        parts = (lists * 6)[:6]
+    assert fast.check_step([list(prompt) + [1], list(prompt) + [2]]) is None  # (lists: too)
