@@ -99,23 +99,22 @@ class OutputCache:
                 rows.update(items)
                 if len(rows) == n + len(items):
                     held += sum(map(_nbytes, map(_row, items)))
-                    items = ()
-                else:  # (some were kept already: replaced, and now the most recent, one by one)
+                else:  # (some were kept already: replaced, and now the most recent)
                     for key, _ in items:
                         rows.move_to_end(key)
                     held = sum(map(_nbytes, rows.values()))
-                    items = ()
-            for key, row in items:
-                if move and hasattr(row, "device"):
-                    devices[key] = row.device
-                    row = row.cpu()
-                n = len(rows)
-                old = rows.setdefault(key, row)  # (a new key, mostly: hashed once)
-                if len(rows) == n:  # (a row kept already: replaced, and now the most recent)
-                    held -= _nbytes(old)
-                    del rows[key]
-                    rows[key] = row
-                held += 0 if row is None else row.nbytes  # (_nbytes, inline: a frame per row)
+            else:  # (rows kept on the CPU, their devices remembered: one by one)
+                for key, row in items:
+                    if hasattr(row, "device"):
+                        devices[key] = row.device
+                        row = row.cpu()
+                    n = len(rows)
+                    old = rows.setdefault(key, row)  # (a new key, mostly: hashed once)
+                    if len(rows) == n:  # (kept already: replaced, and now the most recent)
+                        held -= _nbytes(old)
+                        del rows[key]
+                        rows[key] = row
+                    held += _nbytes(row)
             for _ in range(len(rows) - self.max_entries):  # the least recently used go
                 gone, dropped = rows.popitem(last=False)
                 if devices:
