@@ -36,7 +36,8 @@ def _points(lm) -> list[tuple[str, object, str]]:
     runner = lm.runner
     step = getattr(runner, "decode_step", None)
     out = [("answer", runner, "_answer"),
-           ("plan", importlib.import_module(type(runner).__module__), "plan_step"),
+           # (plan_step: where the runner's _answer is defined, the runner's module or another)
+           ("plan", importlib.import_module(type(runner)._answer.__module__), "plan_step"),
            ("forward", runner, "_forward"), ("commit", runner, "_commit_step")]
     if step is not None:
         cascade = importlib.import_module("genback.llm.hf.decode.cascade")

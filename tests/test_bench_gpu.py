@@ -213,7 +213,7 @@ def test_phases_time_each_step_part_in_order_and_put_the_code_back():
     step (a part's median start after the runner's, the launch after the layout and the fill,
     the rows after the launch); on the tree path (``off``) only the runner's parts; afterwards
     every wrapped function is genback's own again."""
-    from genback.llm.hf import runner as hf_runner
+    from genback.llm.hf import execute as hf_runner
     from genback.llm.hf.decode import cascade, step as decode_step
     originals = (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs)
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from genback.llm.hf.plan.lanes import REFRESH
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
 
 
@@ -165,10 +167,10 @@ def test_step_timeline_times_every_phase_and_unwraps():
     from genback.core import compute
     from genback.core.front import Front
     from genback.core.output_cache import OutputCache
-    from genback.llm.hf import runner
+    from genback.llm.hf import execute, runner
 
     def parts():
-        return (runner.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
+        return (execute.plan_step, runner.HFRunner._commit, runner.HFRunner._commit_step,
                 runner.HFRunner._evict, OutputCache.put_many, compute.kept_copies,
                 compute.owned_copies)
 
@@ -179,7 +181,8 @@ def test_step_timeline_times_every_phase_and_unwraps():
     before = (ThreadPoolExecutor.submit, Batcher._run_inline, Front._compute_owned,
               Batcher._finish, *parts())
     for api, worker in (("gather", []), ("batch", []), ("gather", ["--worker"])):
-        cells = timeline.main(["--particles", "1", "4", "--steps", "3", "--api", api] + worker)
+        cells = timeline.main(["--particles", "1", "4", "--steps", str(REFRESH + 3), "--api", api]
+                              + worker)  # (a step chain commits within REFRESH + 1 steps)
         assert [c["particles"] for c in cells] == [1, 4]
         for c in cells:
             assert all(math.isfinite(c[p]) and c[p] >= 0

@@ -393,7 +393,7 @@ def test_particles_with_equal_contexts_keep_their_steps_uniform(tiny_hf, gpt2_to
     on the tree path, with lists and with context objects; and laid out from the last step's
     rows (the row of the equal context that was answered: ``Lanes.rows``), every step after the
     first (counted); every row exact."""
-    from genback.llm.hf import runner as runner_module
+    from genback.llm.hf import execute as runner_module
 
     full_plans = []
     plan_batch = runner_module.plan_batch
@@ -437,7 +437,7 @@ def test_smollm2_smc_particles_that_coincide_keep_their_steps_uniform(module_smo
     """The real model's rows are peaked, so particles sampling from them often draw the same
     token and hold equal contexts (other objects): after the first step (the prompt's row) no
     step is planned by the full planner (counted), on the default path (the tree path here)."""
-    from genback.llm.hf import runner as runner_module
+    from genback.llm.hf import execute as runner_module
 
     lm = module_smol_lm
     plans, step = [], [0]

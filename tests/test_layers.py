@@ -32,9 +32,10 @@ LAYERS = [
     ("way in", ("genback.batching",)),
     ("shared", ("genback",)),
 ]
-# the HF runner's rooms, top first (lora, memory and options serve the runner: beside it)
-HF_ROOMS = [("model",), ("runner", "lora", "memory", "options", "__init__"), ("decode",), ("forward",),
-            ("plan",), ("cache",)]
+# the HF runner's rooms, top first (execute and chain are the runner's batches, lora, memory and
+# options serve it: beside it)
+HF_ROOMS = [("model",), ("runner", "execute", "chain", "lora", "memory", "options", "__init__"),
+            ("decode",), ("forward",), ("plan",), ("cache",)]
 KINDS = {"NextToken", "Score", "Prefill", "Step"}
 
 

@@ -526,7 +526,7 @@ async def test_smc_steps_are_planned_from_their_parents_notes(tiny_hf, gpt2_tok,
     prompt is planned by plan_step (no plan_batch, no tree match), one forward per step, no
     context is copied whole (no flat tuple of a step's context is built: genback.queries.context), and
     every row equals an uncached forward."""
-    import genback.llm.hf.runner as runner_module
+    import genback.llm.hf.execute as runner_module
     from test_llm_tree import _max_err, _smc_trace
 
     from genback.queries.context import Context

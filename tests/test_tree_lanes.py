@@ -10,10 +10,8 @@ import random
 import numpy as np
 
 from genback.llm import AsyncTransformer
-from genback.queries.kinds import NextToken
 from genback.llm.hf.cache.nodes import prefix_segments
 from genback.llm.hf.forward import tree as tree_forward
-from genback.llm.hf.plan.batch import Output, Path
 from genback.llm.hf.plan.lanes import REFRESH, Lanes
 
 from test_decode_step import _run_trace
@@ -87,6 +85,7 @@ def test_tree_steps_from_the_last_steps_rows_read_the_trees_slots(tiny_hf, gpt2_
     checked = _spy_on_layouts(monkeypatch)
     trace = _smc_trace(random.Random(11), 80, 16, 2 * REFRESH + 5, 3, 50)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    lm.runner.chain = None  # (every step planned: the chain's steps, test_step_chain.py)
     try:
         assert lm.runner.decode_step is None  # (the tree path)
         lm.cache_kv(trace[0][0][:-1])
@@ -116,6 +115,7 @@ def test_segments_shared_by_some_rows_follow_their_rows(tiny_hf, gpt2_tok, monke
     trace = _extended_trace(rng, parts, 12, resample)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           min_shared_tokens=8)
+    lm.runner.chain = None  # (every step planned: the chain's steps, test_step_chain.py)
     try:
         lm.batch_next_token_logprobs_sync([p[:-1] for p in trace[0]])
         assert _run_trace(lm, trace, {}) <= 1e-5
@@ -149,28 +149,21 @@ def test_a_decode_step_with_no_padded_row_attends_without_a_mask(tiny_hf, gpt2_t
 
 
 def test_rows_of_another_adapter_or_a_stale_pool_are_not_reused():
-    """``Lanes.rows``: each path's row by its parent context's identity, else by an equal
+    """``Lanes.rows``: each parent context's row by its identity, else by an equal
     context's (another object: a twin whose query was answered); None for a group of another
     adapter, after the pool freed slots, once a full layout is due, or for a parent equal to no
     row (one of the same length and last id that differs before it included)."""
     parents = [(1, 2, 3), (1, 2, 4)]
-    paths = [Path(c, None, 2, [Output(0, NextToken(c), 3)]) for c in parents]
-    lanes = Lanes(paths, np.array([[7, 8], [7, 9]]), np.zeros(2, dtype=np.int64), [], 5, 0)
-
-    def step(parents_, adapter=None):
-        out = []
-        for c in parents_:
-            q = NextToken(c + (0,), adapter, parent=c)
-            out.append(Path(q.context, adapter, len(c), [Output(0, q, len(c) + 1)]))
-        return out
-
-    assert lanes.rows(step([parents[1], parents[0], parents[1]]), 5).tolist() == [1, 0, 1]
-    assert lanes.rows(step(parents, adapter=3), 5) is None
-    assert lanes.rows(step(parents), 6) is None
+    lanes = Lanes(parents, None, np.array([[7, 8], [7, 9]]), np.zeros(2, dtype=np.int64), [],
+                  5, 0)
+    assert lanes.rows([parents[1], parents[0], parents[1]], None, 5).tolist() == [1, 0, 1]
+    assert lanes.rows(parents, 3, 5) is None
+    assert lanes.rows(parents, None, 6) is None
     twin = tuple(parents[0])[:2] + (3,)  # equal to parents[0], another object
     assert twin is not parents[0]
-    assert lanes.rows(step([parents[1], twin]), 5).tolist() == [1, 0]
-    assert lanes.rows(step([(1, 5, 3)]), 5) is None  # (same length and last id, not equal)
-    assert lanes.rows(step([(2, 4)]), 5) is None
-    old = Lanes(paths, lanes.table, lanes.pads, [], 5, REFRESH)
-    assert old.rows(step(parents), 5) is None
+    assert lanes.rows([parents[1], twin], None, 5).tolist() == [1, 0]
+    assert lanes.rows([(1, 5, 3)], None, 5) is None  # (same length and last id, not equal)
+    assert lanes.rows([(2, 4)], None, 5) is None
+    assert lanes.rows([], None, 5) is None
+    old = Lanes(parents, None, lanes.table, lanes.pads, [], 5, REFRESH)
+    assert old.rows(parents, None, 5) is None

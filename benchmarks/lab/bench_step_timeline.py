@@ -18,13 +18,18 @@ sampling its next token, resampling every 3 steps), median over the measured ste
 - ``finish -> caller``: until the caller's ``gather`` returns (its tasks woken, in turn);
 - ``host``: the step's wall time minus the forward's.
 
-and the compute step's own parts (summed over the step's calls of each; ``compute`` holds them):
+and the compute step's own parts (summed over the step's calls of each; ``compute`` holds them;
+means over the measured steps, not medians: a step chain commits once in several steps, and
+its commit's median would be 0):
 
-- ``plan``: the runner's plan of the step (``plan_step``; its general plan is not timed);
-- ``fwd host``: the forward's host work outside the model (the tree forward or the decode step,
-  minus ``fwd``): the inputs, the attention layout, the logits' rows;
-- ``commit``: the new KV put into the KV tree and the contexts' ends noted; ``evict``: the
-  tree's compaction and eviction after the batch;
+- ``plan``: the runner's plan of the step (``plan_step``; its general plan is not timed; a
+  step of a step chain, ``genback.llm.hf.chain``, has none: its checks are not timed);
+- ``fwd host``: the forward's host work outside the model (the tree forward, planned or a
+  chain's step, or the decode step, minus ``fwd``): the inputs, the attention layout, the
+  logits' rows;
+- ``commit``: the new KV put into the KV tree and the contexts' ends noted (a step chain's
+  commit too, ``HFRunner._settle``); ``evict``: the tree's compaction and eviction after the
+  batch;
 - ``store``: the rows put into the output cache (its ``put_many``); ``copies``: the copies of
   the rows made in blocks (host rows: the cache's, :func:`genback.queries.rows.kept_copies`; rows on an
   accelerator: the callers', :func:`genback.queries.rows.owned_copies`).
@@ -65,7 +70,8 @@ class Clocks:
         from genback.batching import batcher
         from genback.core import compute, front
         from genback.core.output_cache import OutputCache
-        from genback.llm.hf import runner
+        from genback.llm.hf import execute, runner
+        from genback.llm.hf.chain import StepChain
         from genback.llm.hf.decode.step import DecodeStep
         from genback.llm.hf.forward.tree import TreeForward
 
@@ -74,17 +80,20 @@ class Clocks:
         points = [(concurrent.futures.ThreadPoolExecutor, "submit"),
                   (batcher.Batcher, "_run_inline"), (front.Front, "_compute_owned"),
                   (batcher.Batcher, "_finish")]
-        parts = [(runner, "plan_step", "plan"), (TreeForward, "run", "fwd host"),
+        # (a chained step's plan: its StepChain.step less the forward within it, "chain fwd")
+        parts = [(execute, "plan_step", "plan"), (TreeForward, "run", "fwd host"),
+                 (StepChain, "step", "plan"), (TreeForward, "step", "fwd host", "chain fwd"),
+                 (runner.HFRunner, "_settle", "commit"),
                  (DecodeStep, "run", "fwd host"), (runner.HFRunner, "_commit", "commit"),
                  (runner.HFRunner, "_commit_step", "commit"),
                  (runner.HFRunner, "_evict", "evict"), (OutputCache, "put_many", "store"),
                  (compute, "kept_copies", "copies"), (compute, "owned_copies", "copies")]
         self.saved = [(owner, name, getattr(owner, name)) for owner, name in points] + [
-            (owner, name, getattr(owner, name)) for owner, name, _ in parts]
+            (owner, name, getattr(owner, name)) for owner, name, *_ in parts]
         for owner, name in points:
             setattr(owner, name, self._wrap(getattr(owner, name), name))
-        for owner, name, part in parts:
-            setattr(owner, name, self._summed(getattr(owner, name), part))
+        for owner, name, *part in parts:
+            setattr(owner, name, self._summed(getattr(owner, name), *part))
 
     def _wrap(self, fn, name):
         t = self.t
@@ -97,7 +106,7 @@ class Clocks:
                 t[name + "1"] = time.perf_counter()
         return timed
 
-    def _summed(self, fn, part):
+    def _summed(self, fn, part, also=None):
         parts = self.parts
 
         def timed(*args, **kwargs):
@@ -106,6 +115,8 @@ class Clocks:
                 return fn(*args, **kwargs)
             finally:
                 parts[part] += time.perf_counter() - t0
+                if also is not None:
+                    parts[also] = parts.get(also, 0.0) + time.perf_counter() - t0
         return timed
 
     def remove(self):
@@ -128,7 +139,7 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
         for step in range(steps + 3):
             fwd0 = timer.wall
             t.clear()
-            summed.update(dict.fromkeys(PARTS, 0.0))
+            summed.update(dict.fromkeys(PARTS + ("chain fwd",), 0.0))
             t0 = time.perf_counter()
             rows = await bh.ask(lm, parts, api)
             t1 = time.perf_counter()
@@ -145,7 +156,8 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
                         ("finish", t["_finish1"] - t["_finish0"]),
                         ("finish -> caller", t1 - t["_finish1"]),
                         ("host", t1 - t0 - fwd),
-                        *((part, summed[part] - (fwd if part == "fwd host" else 0.0))
+                        *((part, summed[part] - (fwd if part == "fwd host" else 0.0)
+                           - (summed["chain fwd"] if part == "plan" else 0.0))
                           for part in PARTS)):
                     times[name].append(value * 1e6)
             parts = bh.smc_advance(parts, rows, resample=(step + 1) % 3 == 0, gen=gen)
@@ -154,7 +166,9 @@ async def cell(model, tok, n: int, context: int, steps: int, api: str, seed: int
         clocks.remove()
         timer.remove()
         await lm.aclose()
-    return {name: statistics.median(v) for name, v in times.items()}
+    # (a part is a mean: a step chain commits once in several steps, and its median would be 0)
+    return {name: (statistics.fmean if name in PARTS else statistics.median)(v)
+            for name, v in times.items()}
 
 
 def main(argv=None) -> list[dict]:
@@ -169,7 +183,7 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)
     model, tok = bh.load("tiny")
     print(f"tiny model, context {args.context}, {args.steps} steps, api {args.api}"
-          f"{', every batch on the worker' if args.worker else ''}; median µs per step\n")
+          f"{', every batch on the worker' if args.worker else ''}; median µs per step (parts: mean)\n")
     print("| particles | " + " | ".join(PHASES + PARTS) + " |\n"
           + "|---" * (len(PHASES + PARTS) + 1) + "|")
     out = []

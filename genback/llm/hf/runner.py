@@ -1,59 +1,40 @@
 """``HFRunner``: the runner of ``AsyncTransformer`` (a transformers causal LM over a KV tree).
 
-A batch takes three steps, and the runner knows nothing of a forward's insides:
-
-1. **plan** (:mod:`.plan`): a uniform decode step is one level of one path per query
-   (:func:`.plan.batch.plan_step`); anything else is levels of paths against the KV tree
-   (:func:`.plan.batch.plan_batch`: the work of a query is the tokens it forwards beyond its
-   cached prefix), and a query too large for one forward is pieces
-   (:meth:`.plan.budget.ForwardBudget.piece_paths`).
-2. **execute**: each level's paths are held, grouped into forwards that fit
-   (:func:`.plan.batch.group_paths`) and run by one forward of the one contract
-   (:class:`.forward.base.ForwardOut`): the decode step (:mod:`.decode.step`) when the group is
-   a uniform step it can run, else the tree forward (the dense one for models without the
-   attention interface); after the first, young garbage collections may run
-   (:func:`genback.cpython.forward_issued`: on a GPU, while it computes).
-3. **commit**: each forward's new KV slots go into the tree (:mod:`.cache.kvtree`: a leaf that
-   ends where the path's cached prefix does grows in place), the contexts' ends are noted, and
-   after the batch the new nodes are compacted and the tree evicted to its budget.
+A batch is planned, forwarded and committed to the KV tree (:mod:`.execute`); the runner holds
+the model, the KV pool and tree, the forward, and the cache's operations (statistics, pin,
+walk, picture, clear). Its ``tree`` is read up to date: a chain of steps not committed yet
+(:class:`.chain.StepChain`) is committed first.
 
 LoRA adapters (:mod:`.lora`): a query's ``adapter`` selects its tree root and the adapter the
 model runs with; a batch is computed one adapter at a time (one or more forwards each).
 """
-
 from __future__ import annotations
 
-import operator
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ...cpython import forward_issued, inline as inline_hold
-from ...queries.context import last_ids
 from ...queries.kinds import Prefill, Query
 from ...batching.runner import Capabilities, check_pin_budget
 from .cache.kv_pool import CachedNode, KVPool
 from .cache.kvtree import KVTree
 from .cache.picture import draw
+from .chain import StepChain
 from .decode.step import DecodeStep
 from .forward import attention as tree_attention, varlen
-from .forward.base import ForwardOut
+from .execute import Execution
 from .forward.dense import DenseForward
 from .forward.tree import TreeForward
 from .forward.tree_cache import returned_cache
 from .lora import LoraAdapters
 from .memory import trim_host_memory
 from .options import attention_kind, check_device, check_options
-from .plan.batch import (Output, Path, group_paths, is_uniform, plan_batch, plan_step,
-                         query_path)
+from .plan.batch import query_path
 from .plan.budget import forward_budget
 
-_tokens, _holder, _cached = (operator.attrgetter("tokens"), operator.attrgetter("holder"),
-                             operator.attrgetter("cached"))
 
-
-class HFRunner:
+class HFRunner(Execution):
     """Batches of :class:`~genback.queries.kinds.Query` through a transformers causal LM.
 
     Args:
@@ -96,7 +77,7 @@ class HFRunner:
         self.pad_id, self.max_batch_tokens = pad_id, max_batch_tokens
         self.max_forward_bytes, self.min_shared_tokens = max_forward_bytes, min_shared_tokens
         self.pool = KVPool(self._probe_kv_shape())  # every cached token's KV, in slots
-        self.tree = KVTree(kv_budget_bytes, self.pool)
+        self._tree = KVTree(kv_budget_bytes, self.pool)  # (read it as self.tree: see tree)
         self.kv_token_bytes = self.pool.token_bytes
         self.use_tree, self.attention = attention_kind(model, attention)
         kernel = self.use_tree and varlen.kernel_for(self.device, self.pool.dtype, self.pool.dim)
@@ -110,10 +91,19 @@ class HFRunner:
             self.forward = DenseForward(model, self.pool, pad_id=pad_id,
                                         row_device=self.row_device)
         self.decode_step = self._decode_step(decode)
+        self.chain = (StepChain(self._tree, self.forward, self._step_fits)
+                      if self.use_tree and self.decode_step is None else None)
         self.forwards = self.tokens_forwarded = self.padded_tokens_forwarded = 0  # (real tokens)
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
         self._freed_since_trim = 0
         self._inserted: list = []  # nodes inserted by the running call, compacted at its end
+
+    @property
+    def tree(self) -> KVTree:
+        """The KV tree (:class:`.cache.kvtree.KVTree`), up to date: a chain of steps not
+        committed yet (:class:`.chain.StepChain`) is committed first."""
+        self._settle()
+        return self._tree
 
     def _decode_step(self, decode: str) -> DecodeStep | None:
         """The :class:`.decode.step.DecodeStep` of ``decode`` (None: uniform steps take the tree
@@ -168,58 +158,8 @@ class HFRunner:
             self._evict()
         return results
 
-    def _answer(self, queries: list[Query]) -> list:
-        """Results of one adapter's queries: a uniform decode step as one level
-        (:func:`.plan.batch.plan_step`); otherwise those too large for one forward in pieces, the
-        rest planned together (:func:`.plan.batch.plan_batch`) and executed level by level."""
-        results: list = [None] * len(queries)
-        step = plan_step(queries, self.tree.ends, queries[0].adapter, self.budget,
-                         self.tree.end_node)
-        if step is not None:  # an SMC or decoding step
-            for output, value in self._execute(step, uniform=True):
-                results[output.index] = value
-            return results
-        fit = []
-        for i, q in enumerate(queries):
-            try:  # (planned just before they run: a later query may reuse their KV)
-                pieces = self.budget.piece_paths(q, self._cached)
-            except ValueError as exc:  # fails alone; the others go on
-                results[i] = exc
-                continue
-            if pieces is None:
-                fit.append(i)
-            else:
-                results[i] = self._run_pieces(q, pieces)
-        if fit:
-            match = self._matcher(queries[fit[0]].adapter)
-            for level in plan_batch([queries[i] for i in fit], match):
-                for output, value in self._execute(level):
-                    results[fit[output.index]] = value
-        return results
-
-    def _matcher(self, adapter):
-        tree = self.tree
-        # (no touch: _execute touches the union of a level's paths once, KVTree.touch_all)
-        return lambda q, limit: tree.match(q.tokens, limit, adapter=adapter, parent=q.parent,
-                                           touch=False, segments=False)
-
-    def _cached(self, q: Query, limit: int) -> int:
-        """Tokens of ``q``'s context cached now, at most ``limit`` (a probe: no LRU change)."""
-        return self.tree.match(q.tokens, limit, touch=False, adapter=q.adapter,
-                               parent=q.parent, segments=False)[1]
-
-    def _run_pieces(self, q: Query, paths: list[Path]):
-        """Run the paths of ``q``'s pieces (:meth:`.plan.budget.ForwardBudget.piece_paths`) one
-        forward each, in order; return ``q``'s result (the target slices' log-probs, and greedy
-        flags, joined in order)."""
-        parts = []
-        for path in paths:
-            (_, value), = self._execute([path])
-            parts.append(value)
-        return q.join([v for v in parts if v is not None])  # (prefill pieces: None)
-
     def stats(self) -> dict:
-        tree = self.tree
+        tree = self.tree  # (committed first)
         return {
             "forwards": self.forwards,
             "tokens_forwarded": self.tokens_forwarded,
@@ -234,11 +174,13 @@ class HFRunner:
             "kv_pool_slots_used": self.pool.in_use,
             "attention": self.attention,
             "tree_lane_steps": self.forward.lane_steps if self.use_tree else 0,
+            "chained_steps": self.chain.steps_run if self.chain is not None else 0,
             **(self.decode_step.stats() if self.decode_step is not None else {}),
         }
 
     def clear(self, keep_pinned: bool) -> None:
-        self.tree.clear(keep_pinned=keep_pinned)  # (frees the pool's slots)
+        self._settle(drop=True)
+        self._tree.clear(keep_pinned=keep_pinned)  # (frees the pool's slots)
         trim_host_memory()
 
     def pin(self, tokens: tuple[int, ...], adapter: int | None = None) -> None:
@@ -247,18 +189,19 @@ class HFRunner:
         Raises:
             ValueError: the prompt's KV, with what is pinned already, exceeds the KV budget.
         """
-        node = self.tree.find(tokens, adapter)
+        self._settle()
+        node = self._tree.find(tokens, adapter)
         if node is None or not node.pinned:
-            check_pin_budget(len(tokens), self.kv_token_bytes, self.tree.pinned_bytes(),
-                             self.tree.budget_bytes)
+            check_pin_budget(len(tokens), self.kv_token_bytes, self._tree.pinned_bytes(),
+                             self._tree.budget_bytes)
         try:
             self.lora.activate(adapter)
             query = Prefill(tokens, adapter)
             self._run_pieces(query, self.budget.piece_paths(query, self._cached)
                              or [query_path(query)])
-            if self.tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
-                self.tree.insert(tokens, len(tokens), np.empty(0, dtype=np.int64), adapter)
-            self.tree.pin(tokens, adapter)
+            if self._tree.find(tokens, adapter) is None:  # cached, ending inside an edge: split
+                self._tree.insert(tokens, len(tokens), np.empty(0, dtype=np.int64), adapter)
+            self._tree.pin(tokens, adapter)
         finally:
             self._evict()
 
@@ -285,7 +228,8 @@ class HFRunner:
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1).to(self.row_device)
 
     def close(self) -> None:
-        self.tree.clear()
+        self._settle(drop=True)
+        self._tree.clear()
         if self.decode_step is not None:
             self.decode_step.clear()
         trim_host_memory()
@@ -299,102 +243,6 @@ class HFRunner:
     def remove_adapter(self, key: int, error: BaseException | None = None) -> None:
         """Drop adapter ``key``'s KV (pinned too) and unload its weights (called under the
         forward lock: none of its queries is computing, so ``error`` has no one to fail)."""
-        self.tree.drop_adapter(key)
+        self._settle(drop=True)
+        self._tree.drop_adapter(key)
         self.lora.remove(key)
-
-    # -- planning and forwards ----------------------------------------------------------------------
-
-    def _execute(self, level: list[Path], uniform: bool = False) -> list[tuple[Output, object]]:
-        """Run one level of a plan: match its paths that are not matched yet, hold their cached
-        nodes, forward them in groups (:func:`.plan.batch.group_paths`) and commit each forward's new
-        KV to the tree at once (a batch's new KV is never all held at one time). Returns
-        ``(output, result)`` pairs. ``uniform``: the level is a uniform decode step
-        (:func:`.plan.batch.plan_step`'s), not checked again."""
-        answered: list[tuple[Output, object]] = []
-        held, new, tree = [], [], self.tree
-        try:
-            for p in () if uniform else level:
-                if p.holder is None:  # (planned paths were matched, and touched, by the plan)
-                    _, cached, holder = tree.match(
-                        p.tokens, p.limit, touch=False, adapter=p.adapter, segments=False)
-                    p.matched(cached, holder)
-            held = [p.holder for p in level]
-            tree.acquire(*held)
-            todo = [p for p in level if p.n_new > 0]  # a prefill may be cached already
-            for group in group_paths(todo, self.max_batch_tokens, self.max_forward_bytes,
-                                     self.budget.score_bytes, self.budget):
-                out = self._forward(group, uniform)
-                if inline_hold.hold is not None:  # (no call per forward otherwise)
-                    forward_issued()
-                answered.extend(zip([o for p in group for o in p.outputs], out.values))
-                (self._commit_step if uniform else self._commit)(group, out.new_slots, new)
-            answered.extend((o, None) for p in level if p.n_new == 0 for o in p.outputs)
-        finally:
-            # the LRU order of everything this level used or inserted, each node once (also
-            # after an error: an inserted node must be in the LRU)
-            tree.touch_all(held + new)
-            tree.release(*held)
-        return answered
-
-    def _commit(self, group: list[Path], new_slots: list, new: list) -> None:
-        """Put each path's new KV (its ``new_slots``) into the tree at once, and note where its
-        context ends: a leaf that ends where the path's cached prefix does (held by the path
-        alone) grows in place; otherwise a node is inserted (appended to ``new``, to be
-        touched with the level's nodes)."""
-        tree = self.tree
-        for p, slots in zip(group, new_slots):
-            holder = p.holder
-            if holder.depth == p.cached and tree.extend(holder, p.tokens, slots):
-                node = holder  # (touched with the held nodes)
-            else:
-                node = tree.insert(p.tokens, p.cached, slots, p.adapter, near=holder,
-                                   touch=False)
-                new.append(node)
-            self._inserted.append(node)
-            tree.ends.note(p.tokens, node, p.adapter)
-
-    def _commit_step(self, group: list[Path], new_slots: list, new: list) -> None:
-        """:meth:`_commit` of a uniform step's paths (one new token each, one adapter) in
-        bulk: :meth:`.cache.kvtree.KVTree.grow` and :meth:`.cache.ends.Ends.note_many`, the
-        rows' fields read by C-level getters (no call chain per row)."""
-        contexts, cached = list(map(_tokens, group)), list(map(_cached, group))
-        adapter = group[0].adapter
-        nodes, inserted = self.tree.grow(list(map(_holder, group)), contexts, cached,
-                                         last_ids(contexts), new_slots, adapter)
-        new.extend(inserted)
-        self._inserted.extend(nodes)
-        self.tree.ends.note_many(contexts, nodes, [n + 1 for n in cached], adapter)
-
-    def _evict(self) -> None:
-        """Merge the nodes this call inserted with their single-child ancestors
-        (:meth:`.cache.kvtree.KVTree.compact`: nothing is held any more), then evict to the budget;
-        every 64 MiB freed, hand the freed heap back to the OS (the tree's many small node
-        tensors live on the heap, which glibc does not shrink itself)."""
-        for node in self._inserted:
-            if node.slots is not None and node.parent is not None:  # (not evicted or merged away)
-                self.tree.compact(node)
-        self._inserted.clear()
-        self.tree.ends.rotate()
-        self._freed_since_trim += self.tree.evict()
-        if self._freed_since_trim >= 64 << 20 and self.device.type == "cpu":
-            trim_host_memory()
-            self._freed_since_trim = 0
-
-    def _forward(self, group: list[Path], uniform: bool = False) -> ForwardOut:
-        """Forward ``group`` (:class:`.forward.base.ForwardOut`): a uniform decode step of the
-        base model through the decode step when it is on and the step fits
-        (:meth:`.decode.step.DecodeStep.run`), anything else through the tree (or dense)
-        forward."""
-        out = None
-        uniform = uniform or is_uniform(group)
-        if self.decode_step is not None and not self.lora.loaded and uniform:
-            out = self.decode_step.run(group)
-        if out is None:  # (a uniform step may be laid out from the last one's rows)
-            out = self.forward.run(group, uniform)
-        n_new = [r.n_new for r in group]
-        self.forwards += out.forwards
-        self.tokens_forwarded += sum(n_new)
-        self.padded_tokens_forwarded += (sum(n_new) if self.budget.packed  # (no padding)
-                                         else len(group) * max(n_new))
-        self.kv_bytes_read += out.bytes_read
-        return out

@@ -34,7 +34,7 @@ from ....queries.context import Context, flat
 from ....cpython import untrack_ids
 from .ends import Ends
 from .nodes import (Node as _Node, append_slot, append_slots, common_prefix_length, descend,
-                    end_node, merge_up, prefix_segments)
+                    end_node, merge_up, pinned_paths, prefix_segments)
 from .recency import Candidates
 
 
@@ -183,6 +183,13 @@ class KVTree:
             self._touch(node)
         return node
 
+    def attach(self, node: _Node, tokens, start: int, slots: np.ndarray, adapter=None) -> _Node:
+        """:meth:`insert` of ``tokens[start:]`` below ``node`` (its ``near``; not stamped): a new
+        leaf, no walk, when ``node`` ends at ``start`` and no child of it begins there."""
+        if node.depth == start and node.parent is not None and tokens[start] not in node.children:
+            return self._leaf(node, untrack_ids(tokens[start:]), slots, len(tokens))
+        return self.insert(tokens, start, slots, adapter, near=node, touch=False)
+
     def _leaf(self, node: _Node, edge: tuple, slots, depth: int) -> _Node:
         """A new leaf under ``node``: ``edge`` (ending at ``depth``) and its ``slots``."""
         leaf = _Node(node, edge, slots, depth, self.token_bytes)
@@ -290,13 +297,7 @@ class KVTree:
 
     def pinned_bytes(self) -> int:
         """Bytes held by pinned nodes and their ancestors (what eviction can never free)."""
-        seen = set()
-        for node in self._nodes:
-            if node.pinned:
-                while node.parent is not None and node not in seen:
-                    seen.add(node)
-                    node = node.parent
-        return sum(node.bytes for node in seen)
+        return sum(node.bytes for node in pinned_paths(self._nodes))
 
     def find(self, tokens: Sequence[int], adapter=None) -> _Node | None:
         """The node ending exactly at ``len(tokens)`` under ``adapter``, or None."""
@@ -367,12 +368,7 @@ class KVTree:
             if self.pool is not None:
                 self.pool.clear()
             return
-        keep = set()
-        for node in self._nodes:
-            if node.pinned:
-                while node.parent is not None:
-                    keep.add(node)
-                    node = node.parent
+        keep = pinned_paths(self._nodes)
         for node in sorted(self._nodes, key=_depth, reverse=True):  # (children first)
             if node not in keep and not node.children:
                 self._remove(node)

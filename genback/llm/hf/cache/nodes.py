@@ -182,3 +182,14 @@ def merge_up(node: Node, token_bytes: int) -> list[Node]:
         node.stamp = max(node.stamp, n.stamp)
         n.slots, n.children, n.parent = None, {}, None
     return taken
+
+
+def pinned_paths(nodes) -> set:
+    """The pinned nodes among ``nodes`` and their ancestors, roots excluded."""
+    seen = set()
+    for node in nodes:
+        if node.pinned:
+            while node.parent is not None and node not in seen:
+                seen.add(node)
+                node = node.parent
+    return seen

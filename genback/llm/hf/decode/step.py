@@ -62,7 +62,7 @@ from ..forward import attention as tree_attention
 from ..forward.base import ForwardOut, cached_lengths, last_tokens
 from ..forward.results import outputs
 from ..forward.tree_cache import TreeCache, cache_argument
-from ..plan.lanes import REFRESH, Lanes
+from ..plan.lanes import REFRESH, Lanes, path_tokens
 from ..plan.segments import split_segments
 from . import compiled as glue
 from .cascade import (FLASH0_MIN_WORK, DecodeBuffers, StepLayout, decode_attention,
@@ -247,8 +247,7 @@ class DecodeStep:
         forward; else 2, then :data:`MAX_CHUNKS` equal chunks. A step with as many rows as
         the last one, which was split, is split alike at once (each chunk laid out from the
         same chunk of the last step when its rows extend those, :class:`..plan.lanes.Lanes`), the
-        whole tried again every :data:`..plan.lanes.REFRESH` steps. None (nothing taken from the
-        pool) when the chunks do not fit either."""
+        whole tried again every :data:`..plan.lanes.REFRESH` steps. None (nothing taken) if none fit."""
         R = len(group)
         split_alike = len(self._lanes) > 1 and R == self._rows and self._split_age < REFRESH
         n = len(self._lanes) if split_alike else 1
@@ -283,15 +282,15 @@ class DecodeStep:
 
     def layout(self, group, lanes: Lanes | None = None) -> tuple[StepLayout, Lanes] | None:
         """The :class:`.cascade.StepLayout` of one forward over ``group`` and its
-        :class:`..plan.lanes.Lanes`, or None when it is too wide for this path (new slots are taken
-        from the pool here). When every path extends a context of ``lanes`` (a last forward's
-        rows) by one token, the table is those rows plus a column; otherwise, or every
-        :data:`..plan.lanes.REFRESH` steps, the tree's segments are laid out again
-        (:func:`..plan.segments.split_segments`)."""
+        :class:`..plan.lanes.Lanes`, or None when it is too wide for this path (new slots taken
+        from the pool here). When every path extends a context of ``lanes`` (a last forward's rows)
+        by one token, the table is those rows plus a column; else, or every
+        :data:`..plan.lanes.REFRESH` steps, the tree's segments (:mod:`..plan.segments`)."""
         R = len(group)
         if R > MAX_ROWS:
             return None
-        rows = None if lanes is None else lanes.rows(group, self.pool.frees)
+        rows = None if lanes is None else lanes.rows(
+            [p.outputs[0].query.parent for p in group], group[0].adapter, self.pool.frees)
         past = None if rows is None else self._from_lanes(lanes, rows)
         if past is not None:
             (past, pads), prefix, age = past, lanes.prefix, lanes.age + 1
@@ -305,7 +304,8 @@ class DecodeStep:
             age = 0
         return (StepLayout(last_tokens(group), cached_lengths(group), new_slots, table, pads,
                            prefix),
-                Lanes(group, table, pads, prefix, self.pool.frees, age))
+                Lanes(list(map(path_tokens, group)), group[0].adapter, table, pads, prefix,
+                      self.pool.frees, age))
 
     @staticmethod
     def _fits(rows: int, width: int) -> bool:

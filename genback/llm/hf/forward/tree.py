@@ -15,15 +15,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ....queries.context import last_ids
 from ..cache.kv_pool import KVPool, run_start
 from ..plan.batch import Path
 from ..plan.anchors import Anchors
-from ..plan.lanes import Lanes
+from ..plan.lanes import Lanes, path_tokens
 from ..plan.segments import split_segments
 from . import attention, varlen
 from .base import ForwardOut, as_long, model_inputs, new_slots, packed, split_new_slots
 from .logits import output_spans, run_model
-from .results import outputs
+from .results import outputs, results
 from .tree_cache import TreeCache
 
 _max = np.maximum.reduce  # (ndarray.max / .any without their Python wrappers)
@@ -76,33 +77,73 @@ class TreeForward:
             input_ids, positions, spans = packed(input_ids, positions, n_new, spans)
             min_saved = self.packed_min_saved_tokens
         last, self.lanes = self.lanes, None  # (dropped: a failed forward leaves none)
-        rows = last.rows(paths, pool.frees) if uniform and last is not None else None
+        rows = (last.rows([p.outputs[0].query.parent for p in paths], paths[0].adapter,
+                          pool.frees) if uniform and last is not None and paths else None)
         if rows is None:
             shared, private = split_segments(paths, self.min_shared_tokens, anchors=self.anchors,
                                              min_saved_tokens=min_saved)
             self._segments = {}  # (a step from lanes reads the same shared arrays again)
         slots = new_slots(pool, n_new, m)
-        try:
-            if rows is None:
+        if rows is not None:
+            logits, layout, pads, shared, read = self._from_lanes(last, rows, input_ids,
+                                                                  positions, slots, kernel)
+        else:
+            try:
                 layout, pads = private.layout(slots)
-            else:
-                past, pads = last.gather(rows)
-                layout, shared = np.concatenate([past, slots], axis=1), _renumber(
-                    last.prefix, rows, len(last.pads))
-                self.lane_steps += 1
-            batch = _tree_batch(kernel, pool, shared, layout, pads, slots, R, m, self._segments)
-            with attention.active(batch), attention.use_tree_attention(self.model.config):
-                _, logits = run_model(self.model, input_ids, positions, spans,
-                                      TreeCache(batch), device=pool.device)
+                batch = _tree_batch(kernel, pool, shared, layout, pads, slots, R, m,
+                                    self._segments)
+                logits = self._run(batch, input_ids, positions, spans)
+            except BaseException:
+                pool.free(slots[slots > 0])
+                raise
+            read = pool.token_bytes * (sum(len(s) for s, _ in shared) + R * batch.P)
+        if uniform:
+            self.lanes = Lanes(list(map(path_tokens, paths)), paths[0].adapter, layout, pads,
+                               shared, pool.frees, 0 if rows is None else last.age + 1)
+        return ForwardOut(outputs(paths, logits, self.row_device), split_new_slots(n_new, slots),
+                          read)
+
+    def step(self, queries: list, contexts: list, rows: np.ndarray, lengths: np.ndarray,
+             adapter) -> ForwardOut:
+        """A uniform decode step given as rows, not paths (:class:`..chain.StepChain`): query
+        ``i`` (a next-token row or a decoding step, :attr:`~genback.queries.kinds.Query.at_end`)
+        asks for ``contexts[i]`` (``lengths[i]`` tokens, ``int64``), its parent's plus one token,
+        that parent the context of row ``rows[i]`` of the last step's lanes (``lanes``, which
+        must be valid: :meth:`..plan.lanes.Lanes.rows`). The same forward as
+        :meth:`run` of their paths laid out from the lanes; the new slots ``int64 [R, 1]``."""
+        pool, last, self.lanes = self.pool, self.lanes, None
+        input_ids = torch.from_numpy(np.array(last_ids(contexts), dtype=np.int64)[:, None])
+        positions = torch.from_numpy((lengths - 1)[:, None])
+        slots = pool.alloc(len(rows))[:, None]
+        logits, layout, pads, shared, read = self._from_lanes(
+            last, rows, input_ids, positions, slots,
+            varlen.kernel_for(pool.device, pool.dtype, pool.dim))
+        self.lanes = Lanes(contexts, adapter, layout, pads, shared, pool.frees, last.age + 1)
+        return ForwardOut(results(queries, logits, self.row_device), slots, read)
+
+    def _from_lanes(self, last: Lanes, rows: np.ndarray, input_ids, positions, slots, kernel):
+        """Run a step of one new token a row laid out from ``last``'s ``rows`` (each row's past
+        plus its new slot ``slots[i]``): ``(logits, layout, pads, shared, bytes read)``; the new
+        slots are freed again if the forward fails."""
+        pool, R = self.pool, len(rows)
+        try:
+            past, pads = last.gather(rows)
+            layout, shared = np.concatenate([past, slots], axis=1), _renumber(
+                last.prefix, rows, len(last.pads))
+            self.lane_steps += 1
+            batch = _tree_batch(kernel, pool, shared, layout, pads, slots, R, 1, self._segments)
+            logits = self._run(batch, input_ids, positions, None)
         except BaseException:
             pool.free(slots[slots > 0])
             raise
-        if uniform:
-            self.lanes = Lanes(paths, layout, pads, shared, pool.frees,
-                               0 if rows is None else last.age + 1)
         read = pool.token_bytes * (sum(len(s) for s, _ in shared) + R * batch.P)
-        return ForwardOut(outputs(paths, logits, self.row_device), split_new_slots(n_new, slots),
-                          read)
+        return logits, layout, pads, shared, read
+
+    def _run(self, batch, input_ids, positions, spans) -> torch.Tensor:
+        """The model's logits of the needed positions of a forward laid out as ``batch``."""
+        with attention.active(batch), attention.use_tree_attention(self.model.config):
+            return run_model(self.model, input_ids, positions, spans, TreeCache(batch),
+                             device=self.pool.device)[1]
 
 
 def _renumber(shared: list, rows: np.ndarray, last_rows: int) -> list:

@@ -39,7 +39,8 @@ from ....queries.context import last_ids
 REFRESH = 16
 
 _min = np.minimum.reduce
-_tokens, _is = operator.attrgetter("tokens"), operator.is_
+_is = operator.is_
+path_tokens = operator.attrgetter("tokens")  # (a path's context: the lanes' row keys)
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)  # (ndarray.min without its Python wrapper)
 
 
@@ -47,8 +48,9 @@ class Lanes:
     """One step's table, for the next step's :meth:`rows` and :meth:`gather`.
 
     Args:
-        paths: the step's paths (one new token each, of one adapter; ``tokens`` the answered
-            query's context).
+        contexts: the step's rows' contexts (each answered query's, one new token each; a
+            path's ``tokens``).
+        adapter: the step's adapter key.
         table: ``int64 [R, W]``: each row's private past's pool slots, left-padded with slot 0,
             the row's new slot last.
         pads: ``int64 [R]``: each row's padding columns.
@@ -61,32 +63,31 @@ class Lanes:
 
     __slots__ = ("keys", "adapter", "table", "pads", "prefix", "frees", "age", "_twins")
 
-    def __init__(self, paths, table: np.ndarray, pads: np.ndarray, prefix, frees: int, age: int):
-        contexts = list(map(_tokens, paths))  # (the entries made in C: no frame a row)
+    def __init__(self, contexts: list, adapter, table: np.ndarray, pads: np.ndarray, prefix,
+                 frees: int, age: int):
+        # (the entries made in C: no frame a row)
         self.keys = dict(zip(map(id, contexts), zip(contexts, range(len(contexts)))))
-        self.adapter = paths[0].adapter if paths else None
+        self.adapter = adapter
         self.table, self.pads, self.prefix = table, pads, prefix
         self.frees, self.age = frees, age
         self._twins: dict | None = None  # (length, last id) -> [(context, row)], on a miss
 
-    def rows(self, group, frees: int) -> np.ndarray | None:
-        """``int64 [len(group)]``: the row of each path's parent context in this step's table:
+    def rows(self, parents: list, adapter, frees: int) -> np.ndarray | None:
+        """``int64 [len(parents)]``: the row of each parent context in this step's table
+        (a step's paths' parents: each path's one query's ``parent``):
         the row of that very object (its query's ``parent``), else of a context equal to it
         (particles that held equal contexts as other objects asked one query, answered once:
         the row of the one answered holds the same slots, as the pool freed none since); None
-        when one has none, when the group is of another adapter, when the pool freed slots
-        since (``frees`` differs) or when a full layout is due."""
-        if frees != self.frees or self.age >= REFRESH or not group \
-                or group[0].adapter != self.adapter:
+        when one has none, when ``adapter`` is another, when the pool freed slots since
+        (``frees`` differs) or when a full layout is due."""
+        if frees != self.frees or self.age >= REFRESH or not parents or adapter != self.adapter:
             return None
         keys = self.keys
-        parents = [p.outputs[0].query.parent for p in group]
         entries = list(map(keys.get, map(id, parents)))  # (in C; a miss or a twin: below)
         if None not in entries and all(map(_is, map(_first, entries), parents)):
             return np.fromiter(map(_second, entries), dtype=np.int64, count=len(entries))
         out = []
-        for p in group:
-            parent = p.outputs[0].query.parent
+        for parent in parents:
             entry = keys.get(id(parent))
             if entry is None or entry[0] is not parent:
                 row = self._twin(parent)
