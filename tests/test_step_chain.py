@@ -1,8 +1,9 @@
 """A chain of uniform steps run from the last step's rows and committed to the KV tree later
 (genback.llm.hf.chain): its rows equal an uncached forward and the planned steps' rows; it does
 the same forwards and tokens and leaves the same KV cached; it is committed before anything
-else reads the tree (a scoring query, a walk, a picture, the statistics, a pin, clear) and
-before an eviction; a failed step leaves the chain as it was; counted chained steps."""
+else reads the tree (a scoring query, a walk, a picture, a pin, clear, the ``tree`` itself) and
+before an eviction, and ``cache_info`` (read without the forward lock) commits nothing; a failed
+step leaves the chain as it was; counted chained steps."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def test_chained_steps_equal_uncached_and_planned_steps(tiny_hf, gpt2_tok, api, 
             _planned(lm)
         try:
             assert asyncio.run(_steps(lm, trace, api, refs)) <= 1e-5
+            assert all(_cached_length(lm, c) == len(c) for c in trace[-1])  # (committed)
             infos.append(lm.cache_info())
-            assert all(_cached_length(lm, c) == len(c) for c in trace[-1])
         finally:
             lm.close()
     chained, planned = infos
@@ -88,7 +89,7 @@ def _chain_running(lm, trace, steps: int):
 
 
 READERS = {
-    "cache_info": lambda lm, ctx: lm.cache_info(),
+    "tree": lambda lm, ctx: lm.runner.tree,
     "walk_cache": lambda lm, ctx: lm.walk_cache(ctx),
     "visualize_cache": lambda lm, ctx: lm.visualize_cache(),
     "cache_kv": lambda lm, ctx: lm.cache_kv(ctx[:5] + [7, 8, 9]),
@@ -117,6 +118,27 @@ def test_a_chain_is_committed_before_the_tree_is_read(tiny_hf, gpt2_tok, reader)
             assert all(_cached_length(lm, c) == len(c) for c in trace[2])
         assert asyncio.run(_steps(lm, trace[3:], "gather", {})) <= 1e-5
         assert all(_cached_length(lm, c) == len(c) for c in trace[-1])
+    finally:
+        lm.close()
+
+
+def test_cache_info_counts_a_chains_kv_and_commits_nothing(tiny_hf, gpt2_tok):
+    """``cache_info()`` is read without the forward lock, so in the middle of a chain it
+    changes nothing (the chain stays uncommitted); its ``kv_bytes`` counts the chain's KV, which
+    the commit then moves into the tree (less the slots of KV that two rows computed alike,
+    which go back to the pool)."""
+    trace = _smc_trace(random.Random(6), 30, 6, 10, 2, 50)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    try:
+        _chain_running(lm, trace, 6)
+        steps, before = lm.runner.chain.steps, lm.cache_info()
+        assert lm.runner.chain.steps == steps
+        assert before["kv_bytes"] > lm.runner._tree.bytes_held
+        lm.runner.tree  # (committed)
+        after = lm.cache_info()
+        freed = before["kv_pool_slots_used"] - after["kv_pool_slots_used"]
+        assert after["kv_bytes"] == lm.runner._tree.bytes_held
+        assert after["kv_bytes"] == before["kv_bytes"] - freed * TINY_TOKEN_BYTES
     finally:
         lm.close()
 
@@ -185,4 +207,5 @@ async def test_smollm2_chained_smc_steps_equal_uncached(smol_lm):
         trace.append([list(p) for p in parts])
     assert await _steps(lm, trace, "batch", {}) <= 1e-4
     assert lm.cache_info()["chained_steps"] >= 5
-    assert all(_cached_length(lm, c) == len(c) for c in trace[-1])
+    with lm.front.lock:  # (the forward lock: as the model's own cache readers take it)
+        assert all(_cached_length(lm, c) == len(c) for c in trace[-1])

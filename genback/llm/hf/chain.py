@@ -16,8 +16,9 @@ columns of the lanes' table. :meth:`StepChain.commit` puts them into the tree, a
 leaf of the row's own, :meth:`.cache.kvtree.KVTree.attach`), and notes where each context ends.
 
 The runner (:class:`.runner.HFRunner`) commits a chain before anything else uses the tree (any
-other batch, a pin, a walk, a picture, its statistics, ``clear``, an adapter's removal, the
-``tree`` attribute itself) and before an eviction that the chain's uncommitted KV would pass.
+other batch, a pin, a walk, a picture, ``clear``, an adapter's removal, the ``tree`` attribute
+itself) and before an eviction that the chain's uncommitted KV would pass; its statistics, read
+without the forward lock, count the uncommitted KV in ``kv_bytes`` and commit nothing.
 While a chain has uncommitted steps its bases are held (:meth:`.cache.kvtree.KVTree.acquire`),
 so no eviction frees the KV its rows read. A step continues a chain only from the lanes the
 chain's last step made, while the pool has freed nothing since, at most
@@ -60,7 +61,7 @@ class StepChain:
     """
 
     __slots__ = ("tree", "forward", "fits", "lanes", "adapter", "bases", "depths", "contexts",
-                 "lengths", "held", "retired", "retired_tokens", "steps", "steps_run")
+                 "lengths", "held", "retired", "pending_tokens", "steps", "steps_run")
 
     def __init__(self, tree, forward, fits):
         self.tree, self.forward, self.fits = tree, forward, fits
@@ -72,14 +73,9 @@ class StepChain:
         self.lengths: np.ndarray | None = None  # int64 [R]: their lengths
         self.held: list = []  # the bases held while steps are uncommitted
         self.retired: list = []  # (base, depth, context, slots) of rows a step dropped
-        self.retired_tokens = 0
+        self.pending_tokens = 0  # KV slots the steps took that the tree does not hold yet
         self.steps = 0  # steps run since the chain began (the tokens a row has uncommitted)
         self.steps_run = 0  # steps this chain object ran in all (statistics)
-
-    @property
-    def pending_tokens(self) -> int:
-        """Tokens whose KV the chain holds and the tree does not yet."""
-        return self.steps * len(self.bases) + self.retired_tokens
 
     def begin(self, lanes, nodes: list, contexts: list, lengths: list, adapter) -> None:
         """Start a chain at a step committed to the tree: its rows' ``contexts`` (``lanes``' rows,
@@ -131,6 +127,7 @@ class StepChain:
         self.contexts, self.lengths, self.lanes = contexts, lengths, self.forward.lanes
         self.steps += 1
         self.steps_run += 1
+        self.pending_tokens += R  # (a new slot a row: copied rows share the ones before)
         return out
 
     def _retire(self, dropped: np.ndarray) -> None:
@@ -141,7 +138,6 @@ class StepChain:
         bases, contexts, depths = self.bases, self.contexts, self.depths
         for i, r in enumerate(dropped.tolist()):
             self.retired.append((bases[r], int(depths[r]), contexts[r], slots[i]))
-        self.retired_tokens += k * len(dropped)
 
     def commit(self) -> list:
         """Put the chain's uncommitted KV into the tree and note where each row's context ends
@@ -192,7 +188,7 @@ class StepChain:
             nodes[i] = node  # (c == n: a dropped row's context, all stored: no note)
         nodes = nodes[:R]
         tree.ends.note_many(self.contexts[:R], nodes, self.lengths.tolist(), self.adapter)
-        self.steps, self.retired, self.retired_tokens, self.held = 0, [], 0, []
+        self.steps, self.retired, self.pending_tokens, self.held = 0, [], 0, []
         self.bases, self.depths, self.contexts = nodes, self.lengths, self.contexts[:R]
         return nodes
 

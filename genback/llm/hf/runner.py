@@ -159,12 +159,16 @@ class HFRunner(Execution):
         return results
 
     def stats(self) -> dict:
-        tree = self.tree  # (committed first)
+        """The runner's counters (``cache_info()``, read without the forward lock: nothing is
+        changed here, so a step chain is not committed; ``kv_bytes`` counts its uncommitted KV,
+        ``kv_nodes`` the tree's nodes as they stand)."""
+        tree, chain = self._tree, self.chain
+        pending = chain.pending_tokens * self.kv_token_bytes if chain is not None else 0
         return {
             "forwards": self.forwards,
             "tokens_forwarded": self.tokens_forwarded,
             "padded_tokens_forwarded": self.padded_tokens_forwarded,
-            "kv_bytes": tree.bytes_held,
+            "kv_bytes": tree.bytes_held + pending,
             "kv_budget_bytes": tree.budget_bytes,
             "kv_nodes": len(tree),
             "evictions": tree.evictions,
