@@ -68,6 +68,8 @@ class Execution:
             out = chain.step(queries)
         if out is None:
             return None
+        if inline_hold.hold is not None:  # (as _execute's forwards)
+            forward_issued()
         self.forwards += 1  # (one token a row: nothing padded)
         self.tokens_forwarded += len(queries)
         self.padded_tokens_forwarded += len(queries)
