@@ -178,7 +178,7 @@ class StepChain:
         for i, c in zip(order.tolist(), shared[order].tolist()):
             node, depth, context, n = bases[i], depths[i], contexts[i], counts[i]
             if c == 0:
-                if rows_of[id(node)] > 1 or not tree.extend(node, context, block[i]):
+                if rows_of[id(node)] > 1 or not tree.extend(node, context, block[i, :n]):
                     # (a copy: a node must not keep the whole table alive)
                     node = tree.attach(node, context, depth, block[i, :n].copy(), self.adapter)
             elif c < n:  # (tokens[:depth + c] stored by the row before it, in this sort)
@@ -187,9 +187,9 @@ class StepChain:
                                    near=near, touch=False)
             nodes[i] = node  # (c == n: a dropped row's context, all stored: no note)
         nodes = nodes[:R]
-        tree.ends.note_many(self.contexts[:R], nodes, self.lengths.tolist(), self.adapter)
+        tree.ends.note_many(self.contexts, nodes, self.lengths.tolist(), self.adapter)
         self.steps, self.retired, self.pending_tokens, self.held = 0, [], 0, []
-        self.bases, self.depths, self.contexts = nodes, self.lengths, self.contexts[:R]
+        self.bases, self.depths = nodes, self.lengths
         return nodes
 
 
