@@ -153,6 +153,10 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
     decode, _, api = decode.partition("/")  # "auto/batch": a step as one batch call
     worker = decode.endswith("-worker")  # every batch on the worker thread (no inline step)
     decode = decode.removesuffix("-worker")
+    # every step planned and committed to the KV tree at once (the runner's step chain off,
+    # genback/llm/hf/chain.py: as before session 70 on the decode step)
+    unchained = decode.endswith("-nochain")
+    decode = decode.removesuffix("-nochain")
     # young collections wherever they fall (-gcnow) / held until the launch (-gchold): the
     # scheduler's defer_collections (default: held on CUDA only)
     held = False if decode.endswith("-gcnow") else (True if decode.endswith("-gchold") else None)
@@ -163,6 +167,8 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
         decode = decode.removesuffix(suffix)
     lm = AsyncTransformer(model, tokenizer, batch_window=batch_window, decode=decode)
     lm.scheduler.inline_cohort = not worker
+    if unchained:
+        lm.runner.chain = None
     if held is not None:
         lm.scheduler.defer_collections = held
     step = lm.runner.decode_step
@@ -437,7 +443,10 @@ def parse(argv):
                          "(auto, graphs, eager, off; graphs-dense / eager-dense: without the "
                          "cascade's shared level, graphs-cascade: with it whenever rows share "
                          "a token, to find where it pays; a suffix -worker runs "
-                         "every step on the batcher's worker thread, as before inline steps; -flash0 "
+                         "every step on the batcher's worker thread, as before inline steps; "
+                         "-nochain plans every step and commits it to the KV tree at once (the "
+                         "runner's step chain off, as before session 70 on the decode step; "
+                         "before -worker: auto-nochain-worker); -flash0 "
                          "attends level 0 without a bias (FlashAttention-2) but for its last "
                          "256 keys (DecodeStep.flash_level0; -noflash0: never; default: on "
                          "CUDA by its size); -fused compiles the RMSNorms and "

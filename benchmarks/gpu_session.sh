@@ -99,8 +99,8 @@ case "$part" in
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured or rope" \
       tests/test_decode_step.py tests/test_decode_rope.py tests/test_decode_level0.py 2>&1 \
       | tee -i "$out/norms.log" ;;
-  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-gcnow,auto/context,auto-gcnow/context}" ;;  # (young collections held until the launch (session 61) against wherever they fall; -splitproj, -gather0, -capture1 measured in session 61, -modelrope, -noflash0 in 59, -flash0, -fused in 57)
-  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-gcnow,auto/context,off}" ;;  # (host-bound: context objects)
+  8b) cells llama-3.1-8b 16,256 1000,4000 "${MODES:-auto,auto-nochain,auto/context,auto-nochain/context}" ;;  # (the step chain on the decode step (session 70) against every step planned; -gcnow measured in session 61 with -splitproj, -gather0, -capture1, -modelrope, -noflash0 in 59, -flash0, -fused in 57)
+  1b) cells llama-3.2-1b 16,256 1000,4000 "${MODES:-auto,auto-nochain,auto/context,off}" ;;  # (host-bound: the chain's steps, context objects)
   compiled)  # the decode step's glue compiled (issue 67, part 2; DecodeStep.compile) against
     # today's defaults, side by side, then the operators a step with and without (decode_ops.py,
     # counted on this host's CPU); ~4 min on an H200

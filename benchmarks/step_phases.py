@@ -18,7 +18,12 @@ all (ms, summed over its calls in the step):
 - ``launch``: ``StepGraphs.run`` (a replay's launch, or an eager or capturing forward);
 - ``rows``: the rows handed out (``outputs``: views or copies of the logits' rows);
 - ``forward``: the runner's forward of the step (``HFRunner._forward``: layout, launch, rows);
-- ``commit``: the step's new KV noted in the tree (``HFRunner._commit_step``).
+- ``commit``: the step's new KV noted in the tree (``HFRunner._commit_step``);
+- ``chain``: a step of the runner's step chain (``StepChain.step``: its checks, the layout from
+  the last step's rows, the launch and the rows; ``genback/llm/hf/chain.py``), which has no
+  ``plan``, ``forward``, ``layout`` or ``commit``; ``chain commit``: a chain's steps put into
+  the tree (``StepChain.commit``, once in several steps). ``rows`` is a chained step's rows too
+  (``results``).
 
 A measurement tool over private names, not an API: a point that a version lacks is skipped.
 """
@@ -39,12 +44,16 @@ def _points(lm) -> list[tuple[str, object, str]]:
            # (plan_step: where the runner's _answer is defined, the runner's module or another)
            ("plan", importlib.import_module(type(runner)._answer.__module__), "plan_step"),
            ("forward", runner, "_forward"), ("commit", runner, "_commit_step")]
+    chain = getattr(runner, "chain", None)
+    if chain is not None:
+        out += [("chain", type(chain), "step"), ("chain commit", type(chain), "commit")]
     if step is not None:
         cascade = importlib.import_module("genback.llm.hf.decode.cascade")
         level0 = importlib.import_module("genback.llm.hf.decode.level0")
         out += [("layout", step, "layouts"), ("fill", cascade.DecodeBuffers, "fill"),
                 ("level0", level0.KeptPrefix, "refresh"), ("launch", step.graphs, "run"),
-                ("rows", importlib.import_module(type(step).__module__), "outputs")]
+                ("rows", importlib.import_module(type(step).__module__), "outputs"),
+                ("rows", importlib.import_module(type(step).__module__), "results")]
     return [(n, o, a) for n, o, a in out if hasattr(o, a)]
 
 

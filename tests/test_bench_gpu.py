@@ -209,16 +209,19 @@ def test_session_summary_lists_every_cell_and_the_old_codes_ratio(tmp_path):
 
 
 def test_phases_time_each_step_part_in_order_and_put_the_code_back():
-    """``--phases`` (``step_phases.py``): on the decode path every named part ran in every
-    step (a part's median start after the runner's, the launch after the layout and the fill,
-    the rows after the launch); on the tree path (``off``) only the runner's parts; afterwards
-    every wrapped function is genback's own again."""
-    from genback.llm.hf import execute as hf_runner
+    """``--phases`` (``step_phases.py``): on the decode path with every step planned
+    (``-nochain``) every named part ran in every step (a part's median start after the
+    runner's, the launch after the layout and the fill, the rows after the launch); on the tree
+    path (``off``) only the runner's parts; with the step chain (the default) its steps have
+    the launch and the rows but no plan; afterwards every wrapped
+    function is genback's own again."""
+    from genback.llm.hf import chain, execute as hf_runner
     from genback.llm.hf.decode import cascade, step as decode_step
-    originals = (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs)
+    originals = (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs,
+                 decode_step.results, chain.StepChain.step, chain.StepChain.commit)
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
                           "--steps", "6", "--resample", "3", "--no-loop", "--phases",
-                          "--genback", "eager,off"])
+                          "--genback", "eager-nochain,off-nochain,eager"])
     (cell,) = out["cells"]
     got = cell["genback"]["host_phases"]
     assert set(got) == {"answer", "plan", "forward", "layout", "fill", "launch", "rows", "commit"}
@@ -227,8 +230,15 @@ def test_phases_time_each_step_part_in_order_and_put_the_code_back():
     assert start["answer"] <= start["plan"] <= start["forward"] <= start["layout"] \
         <= start["fill"] <= start["launch"] <= start["rows"] <= start["commit"]
     assert got["answer"]["total_s"] >= got["forward"]["total_s"] >= got["launch"]["total_s"]
-    assert set(cell["genback[off]"]["host_phases"]) == {"answer", "plan", "forward", "commit"}
-    assert (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs) == originals
+    assert set(cell["genback[off-nochain]"]["host_phases"]) == {"answer", "plan", "forward",
+                                                               "commit"}
+    chained = cell["genback[eager]"]["host_phases"]
+    for part in ("answer", "fill", "launch", "rows"):
+        assert chained[part]["steps"] == 6, part
+    assert chained["plan"]["steps"] < 6 and chained["commit"]["steps"] < 6
+    assert chained["chain"]["steps"] == 6  # (tried in every step; committed at REFRESH)
+    assert (cascade.DecodeBuffers.fill, hf_runner.plan_step, decode_step.outputs,
+            decode_step.results, chain.StepChain.step, chain.StepChain.commit) == originals
 
 
 def test_gcnow_modes_parse_before_and_without_an_api_suffix():

@@ -38,16 +38,18 @@ def _smc_steps(lm, events, particles=256, steps=6, seed=0):
     its forwards marked in ``events``; returns every step's rows and each step's events."""
     rng = random.Random(seed)
     prompt = [rng.randrange(50000) for _ in range(200)]
-    forward, commit = lm.runner._forward, lm.runner._commit_step
+    # (the decode step's forward: a planned step's and a chained one's, .chain.StepChain)
+    forward, runner_run = lm.runner.decode_step.forward, lm.runner.run
 
     def marked(*args, **kwargs):
         events.append("forward")
         return forward(*args, **kwargs)
 
-    def committed(*args, **kwargs):
-        events.append("commit")
-        return commit(*args, **kwargs)
-    lm.runner._forward, lm.runner._commit_step = marked, committed
+    def answered(*args, **kwargs):
+        out = runner_run(*args, **kwargs)
+        events.append("answered")
+        return out
+    lm.runner.decode_step.forward, lm.runner.run = marked, answered
     per_step, rows = [], []
 
     async def run():
@@ -85,6 +87,7 @@ def _run_smc(tiny_hf, gpt2_tok, events, defer):
     try:
         got = _smc_steps(lm, events)
         assert lm.scheduler.inline_batches >= 6  # (the steps ran inline: lockstep)
+        assert lm.cache_info()["chained_steps"] >= 3  # (planned steps and chained ones)
     finally:
         lm.close()
     return got
@@ -116,11 +119,11 @@ def test_a_step_runs_no_young_collection_before_its_forward(tiny_hf, gpt2_tok, c
     (rows_off, steps_off), (rows_on, steps_on) = got[False], got[True]
     # without the hold, collections start in every step's way in (256 queries allocate more
     # than the threshold); with it, none from the hold to the forward, and the one that was due
-    # right after it, before the step's KV is committed (the runner released the hold:
+    # right after it, before the runner has answered the step (it released the hold:
     # forward_issued)
     assert all(_before_forward(s) >= 1 for s in steps_off), steps_off
     assert [_before_forward(s, "held") for s in steps_on] == [0] * len(steps_on)
-    assert all("gc" in s[s.index("forward"):s.index("commit")] for s in steps_on[1:])
+    assert all("gc" in s[s.index("forward"):s.index("answered")] for s in steps_on[1:])
     # at the interpreter's own threshold the guarantee is the same
     rows_own, steps_own = _run_smc(tiny_hf, gpt2_tok, collections, True)
     assert gc.get_threshold() == before

@@ -331,6 +331,7 @@ def test_steps_laid_out_from_the_last_steps_rows_name_the_trees_slots(tiny_hf, g
     trace = _smc_trace(random.Random(11), 60, 16, steps, 3, 50)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
                           decode="eager")
+    lm.runner.chain = None  # (every step planned: the chain's steps, test_step_chain.py)
     if level0 == "always":
         lm.runner.decode_step.level0_min_tokens = lm.runner.decode_step.level0_min_saved = 0
     try:

@@ -25,11 +25,12 @@ PACKAGE = str(Path(genback.__file__).resolve().parent)
 # genback's function calls per query of a uniform step at 64 particles (the step's fixed part
 # spread over them) and per step at one particle. Counted at the commit that set them: 27.5 /
 # 93 on the tree path, 25.8 a query on context objects (its steps run as a step chain,
-# genback.llm.hf.chain: 29.4 / 122 and 27.7 before it); before that, 32.7 / 120 on the tree
+# genback.llm.hf.chain: 29.4 / 122 and 27.7 before it); through the eager decode step 24.5 /
+# 113 once its steps chain too (33.0 / 142 before); before that, 32.7 / 120 on the tree
 # path, 33.0 / 142 through the eager decode step, 31.0 a query on context objects (before this issue's eighth pass: 42.4 / 128, 42.7 / 150 and 42.5; before the
 # seventh: 59.9 / 141 and 60.2 / 163).
-PER_QUERY = {"auto": 30, "eager": 34, "auto/context": 28}
-ONE_PARTICLE_STEP = {"auto": 95, "eager": 144}
+PER_QUERY = {"auto": 30, "eager": 26, "auto/context": 28}
+ONE_PARTICLE_STEP = {"auto": 95, "eager": 116}
 
 # torch operators dispatched outside the forward per one-particle step: on the CPU each costs
 # ~3-5 µs warm and ~15-20 µs right after a forward has evicted the caches (measured, issue 38's

@@ -219,6 +219,39 @@ def test_replace_and_remove(adapters, merged, smol_hf, ids):
         lm.close()
 
 
+def test_a_decode_step_chain_gives_way_to_the_tree_forward_once_an_adapter_is_loaded(
+        adapters, merged, smol_hf, ids):
+    """Base-model SMC steps chained on the decode step (run eagerly: its path of CUDA graphs,
+    which run the base model only); an adapter added mid-chain: the base model's next steps are
+    planned on the tree forward and chained there, an adapter's steps too, every row exact."""
+    lm = AsyncTransformer(_fresh_smol(), smol_hf[1], decode="eager", row_cache_size=0)
+    runner = lm.runner
+    parts = [list(ids[:20]) for _ in range(3)]
+
+    def step(lora_name=None):
+        for i, p in enumerate(parts):
+            p.append(ids[len(p) - i])
+        return lm.batch_next_token_logprobs_sync([list(p) for p in parts], lora_name=lora_name)
+
+    try:
+        for _ in range(3):
+            step()
+        assert runner.chain.source is runner.decode_step and runner.chain.steps >= 1
+        lm.add_new_lora(adapters["a"], "a")
+        for _ in range(3):
+            rows = step()
+            want = torch.stack([lm.next_token_logprobs_uncached(p) for p in parts])
+            assert (rows - want).abs().max() < SELF_TOL
+        assert runner.chain.source is runner.forward and runner.chain.steps >= 1
+        for _ in range(3):  # (the first prefills the contexts under the adapter)
+            rows = step("a")
+            want = torch.stack([merged["a"](p) for p in parts])
+            assert (rows - want).abs().max() < MERGED_TOL
+        assert lm.cache_info()["chained_steps"] == 1 + 2 + 1
+    finally:
+        lm.close()
+
+
 def test_bad_names_and_paths(lm, adapters, tmp_path, ids, monkeypatch):
     with pytest.raises(ValueError, match=r"lora_name='nope' is not a registered adapter.*'a'"):
         asyncio.run(lm.next_token_logprobs(ids[:3], lora_name="nope"))

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from genback.llm import AsyncTransformer
+from genback.llm.hf.decode import step as decode_step
 from genback.llm.hf.forward import tree as tree_forward
 from genback.llm.hf.plan.lanes import REFRESH
 
@@ -45,14 +46,20 @@ async def _steps(lm, trace, api: str, refs: dict) -> float:
     return worst
 
 
+# each forward a chain continues: the tree forward (the CPU's default) and the decode step, run
+# eagerly here (on a GPU it replays captured graphs: tests/test_cuda.py)
+DECODES = ["auto", "eager"]
+
+
 def _cached_length(lm, context) -> int:
     return lm.runner.tree.match(list(context), touch=False)[1]
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("api", ["gather", "batch"])
 @pytest.mark.parametrize("particles,resample", [(12, 3), (1, 2), (9, 1)])
 def test_chained_steps_equal_uncached_and_planned_steps(tiny_hf, gpt2_tok, api, particles,
-                                                        resample):
+                                                        resample, decode):
     """SMC with resampling over more steps than a lane table lives: the chained steps' rows
     equal an uncached forward and the planned steps' (<= 1e-5), every step but the prompt's and
     the full layouts is chained (counted), both runs forward the same tokens in the same
@@ -61,12 +68,16 @@ def test_chained_steps_equal_uncached_and_planned_steps(tiny_hf, gpt2_tok, api, 
     refs: dict = {}
     infos = []
     for planned in (False, True):
-        lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+        lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                              decode=decode)
         if planned:
             _planned(lm)
+        else:  # (the chain continues the forward that runs the steps)
+            want = lm.runner.forward if decode == "auto" else lm.runner.decode_step
         try:
             assert asyncio.run(_steps(lm, trace, api, refs)) <= 1e-5
             assert all(_cached_length(lm, c) == len(c) for c in trace[-1])  # (committed)
+            assert planned or lm.runner.chain.source is want
             infos.append(lm.cache_info())
         finally:
             lm.close()
@@ -98,13 +109,15 @@ READERS = {
 }
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("reader", sorted(READERS))
-def test_a_chain_is_committed_before_the_tree_is_read(tiny_hf, gpt2_tok, reader):
+def test_a_chain_is_committed_before_the_tree_is_read(tiny_hf, gpt2_tok, reader, decode):
     """In the middle of a chain, each way of reading (or changing) the KV tree finds the chain
     committed first: no step left uncommitted, the contexts cached whole (unless cleared), the
     walk's cached length the whole context; and the run then goes on exact."""
     trace = _smc_trace(random.Random(3), 30, 6, 10, 4, 50)
-    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode=decode)
     try:
         _chain_running(lm, trace, 3)
         ctx = trace[2][0]
@@ -122,13 +135,15 @@ def test_a_chain_is_committed_before_the_tree_is_read(tiny_hf, gpt2_tok, reader)
         lm.close()
 
 
-def test_cache_info_counts_a_chains_kv_and_commits_nothing(tiny_hf, gpt2_tok):
+@pytest.mark.parametrize("decode", DECODES)
+def test_cache_info_counts_a_chains_kv_and_commits_nothing(tiny_hf, gpt2_tok, decode):
     """``cache_info()`` is read without the forward lock, so in the middle of a chain it
     changes nothing (the chain stays uncommitted); its ``kv_bytes`` counts the chain's KV, which
     the commit then moves into the tree (less the slots of KV that two rows computed alike,
     which go back to the pool)."""
     trace = _smc_trace(random.Random(6), 30, 6, 10, 2, 50)
-    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode=decode)
     try:
         _chain_running(lm, trace, 6)
         steps, before = lm.runner.chain.steps, lm.cache_info()
@@ -143,14 +158,16 @@ def test_cache_info_counts_a_chains_kv_and_commits_nothing(tiny_hf, gpt2_tok):
         lm.close()
 
 
-def test_a_chain_under_a_small_kv_budget_is_committed_before_eviction(tiny_hf, gpt2_tok):
+@pytest.mark.parametrize("decode", DECODES)
+def test_a_chain_under_a_small_kv_budget_is_committed_before_eviction(tiny_hf, gpt2_tok,
+                                                                       decode):
     """A KV budget smaller than the particles' contexts: the chain is committed before each
     eviction its uncommitted KV would pass, evictions happen, no step fails, and every row
     equals an uncached forward; the tree holds no more than its budget after each step."""
     trace = _smc_trace(random.Random(5), 20, 8, 14, 3, 50)
     budget = 100 * TINY_TOKEN_BYTES  # (8 particles, a 20-token prompt, 14 steps: 132 tokens)
     lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
-                          kv_budget_bytes=budget)
+                          kv_budget_bytes=budget, decode=decode)
     try:
         refs: dict = {}
         for contexts in trace:
@@ -164,22 +181,26 @@ def test_a_chain_under_a_small_kv_budget_is_committed_before_eviction(tiny_hf, g
         lm.close()
 
 
-def test_a_failed_chained_step_leaves_the_chain_whole(tiny_hf, gpt2_tok, monkeypatch):
+@pytest.mark.parametrize("decode", DECODES)
+def test_a_failed_chained_step_leaves_the_chain_whole(tiny_hf, gpt2_tok, monkeypatch, decode):
     """A chained step whose forward fails fails its queries alone: its new slots go back to
     the pool, the steps before it are committed as they were, and the same step asked again
     (planned now) and the steps after it equal an uncached forward."""
     trace = _smc_trace(random.Random(8), 30, 5, 9, 4, 50)
-    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0)
+    lm = AsyncTransformer(tiny_hf, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode=decode)
+    cls, name = ((tree_forward.TreeForward, "_run") if decode == "auto"
+                 else (decode_step.DecodeStep, "forward"))
     try:
         _chain_running(lm, trace, 3)
         used = lm.runner.pool.in_use
-        run = tree_forward.TreeForward._run
+        run = getattr(cls, name)
 
         def failing(self, *args):
-            monkeypatch.setattr(tree_forward.TreeForward, "_run", run)  # (once)
+            monkeypatch.setattr(cls, name, run)  # (once)
             raise RuntimeError("the forward failed")
 
-        monkeypatch.setattr(tree_forward.TreeForward, "_run", failing)
+        monkeypatch.setattr(cls, name, failing)
         with pytest.raises(RuntimeError, match="the forward failed"):
             asyncio.run(_steps(lm, trace[3:4], "gather", {}))
         assert lm.runner.pool.in_use == used  # (the failed step's new slots are free again)
@@ -190,11 +211,22 @@ def test_a_failed_chained_step_leaves_the_chain_whole(tiny_hf, gpt2_tok, monkeyp
 
 
 @pytest.mark.asyncio
-async def test_smollm2_chained_smc_steps_equal_uncached(smol_lm):
+@pytest.mark.parametrize("decode", DECODES)
+async def test_smollm2_chained_smc_steps_equal_uncached(smol_lm, smol_hf, decode):
     """The real model: SMC steps over a real prompt, resampled every third step, one call a
-    step over ``lm.context`` objects: chained (counted), every row within 1e-4 of an uncached
-    forward, the last contexts cached whole once committed."""
-    lm = smol_lm
+    step over ``lm.context`` objects: chained (counted; with the decode step too), every row
+    within 1e-4 of an uncached forward, the last contexts cached whole once committed."""
+    lm = smol_lm if decode == "auto" else AsyncTransformer(*smol_hf, decode=decode)
+    try:
+        await _smollm2_chain(lm)
+        if decode == "eager":
+            assert lm.runner.chain.source is lm.runner.decode_step
+    finally:
+        if lm is not smol_lm:
+            await lm.aclose()
+
+
+async def _smollm2_chain(lm):
     prompt = lm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
     rng = random.Random(0)
     parts = [list(prompt) for _ in range(6)]

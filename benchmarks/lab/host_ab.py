@@ -75,7 +75,7 @@ def package_of(rev: str, k: int, root: Path, repo: Path) -> str:
 
 
 async def _trace(model, tok, sides: list[tuple[str, str]], n: int, context: int, steps: int,
-                 warmup: int = 3, resample: int = 3) -> list[list[float]]:
+                 warmup: int = 3, resample: int = 3, decode: str = "auto") -> list[list[float]]:
     """Each side's host seconds of each measured step (see the module's docstring)."""
     fwd = [0.0, 0.0]  # (time in forwards, the running forward's start)
     hooks = [model.register_forward_pre_hook(lambda m, a: fwd.__setitem__(1, time.perf_counter())),
@@ -84,7 +84,8 @@ async def _trace(model, tok, sides: list[tuple[str, str]], n: int, context: int,
     lms, parts, gens = [], [], []
     try:
         for pkg, route in sides:
-            lm = importlib.import_module(pkg + ".llm").AsyncTransformer(model, tok)
+            lm = importlib.import_module(pkg + ".llm").AsyncTransformer(model, tok,
+                                                                         decode=decode)
             lms.append(lm)
             prompt = text_ids(tok, context)
             parts.append([lm.context(prompt) if "context" in route else prompt] * n)
@@ -116,7 +117,7 @@ async def _trace(model, tok, sides: list[tuple[str, str]], n: int, context: int,
 
 
 def run(sides: list[tuple[str, str]], particles: list[int], contexts: list[int], steps: int,
-        repo: Path = BENCH.parent) -> list[dict]:
+        repo: Path = BENCH.parent, decode: str = "auto") -> list[dict]:
     """One row per version and cell: ``rev``, ``route``, ``n``, ``context``, ``step_ms`` and
     ``query_us`` (medians of the host time), ``x`` and ``paired`` (against the first side).
 
@@ -136,7 +137,8 @@ def run(sides: list[tuple[str, str]], particles: list[int], contexts: list[int],
                     for k, (rev, route) in enumerate(sides)]
             for n in particles:
                 for context in contexts:
-                    host = asyncio.run(_trace(model, tok, pkgs, n, context, steps))
+                    host = asyncio.run(_trace(model, tok, pkgs, n, context, steps,
+                                              decode=decode))
                     first = statistics.median(host[0])
                     for (rev, route), h in zip(sides, host):
                         med = statistics.median(h)
@@ -167,11 +169,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--particles", type=int, nargs="+", default=[256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[100])
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--decode", default="auto",
+                    help="every side's AsyncTransformer(decode=...): auto (on the CPU the tree "
+                         "forward) or eager (the decode step a GPU replays as graphs, eagerly)")
     args = ap.parse_args(argv)
     sides = [tuple(s.rsplit(":", 1)) for s in args.side]
     if any(len(s) != 2 for s in sides):
         ap.error(f"--side takes REV:ROUTE, got {args.side}")
-    rows = run(sides, args.particles, args.contexts, args.steps)
+    rows = run(sides, args.particles, args.contexts, args.steps, decode=args.decode)
     print(table(rows))
     return rows
 

@@ -3,7 +3,7 @@ once, when something else reads the tree.
 
 An SMC or decoding step whose every query asks for a row of the last step's contexts plus one
 token needs nothing of the KV tree: its layout is the last step's rows plus a column of new
-slots (the tree forward's :class:`.plan.lanes.Lanes`), and its new KV is that column. Committing
+slots (:class:`.plan.lanes.Lanes`, kept by the forward that ran it), and its new KV is that column. Committing
 each such step to the tree anyway (a :class:`.plan.batch.Path` and an ``Output`` a row to plan
 it, :meth:`.cache.kvtree.KVTree.grow` and :meth:`.cache.ends.Ends.note_many` to commit it, a
 compaction a row after it) cost ~12 µs a row of a step's ~40 µs of host time at 256 rows x 100
@@ -28,8 +28,12 @@ resampling step repeats some rows and drops others: a row's uncommitted tokens m
 tree once, and two rows may not share uncommitted slots). The answers are the forward's, laid
 out as the lanes path lays out a planned step: the same rows, bit for bit.
 
-Used for the tree forward only (:class:`.forward.tree.TreeForward`; not with a decode step,
-:mod:`.decode.step`, which keeps its own lanes per chunk).
+A chain continues the forward that ran the step it began at, through that forward's ``step``:
+the tree forward (:meth:`.forward.tree.TreeForward.step`) or the decode step
+(:meth:`.decode.step.DecodeStep.step`, on a GPU a captured graph's replay: its host work before
+the launch is what bounds a large step there, ``benchmarks/RESULTS.md``, "Issue 38, part 1 on
+an H200"), the latter while its step runs as one forward (not in chunks of rows) and no LoRA
+adapter is loaded (as the runner's planned steps use it).
 """
 
 from __future__ import annotations
@@ -53,18 +57,18 @@ class StepChain:
 
     Args:
         tree: the runner's :class:`.cache.kvtree.KVTree`.
-        forward: the runner's :class:`.forward.tree.TreeForward` (its ``lanes`` and ``step``).
         fits: ``fits(rows, longest) -> bool``: whether a step of ``rows`` one-token rows, the
             longest context ``longest`` tokens, is one forward within the runner's budgets.
 
     Not thread-safe: the runner's lock serialises it with every other use of the tree.
     """
 
-    __slots__ = ("tree", "forward", "fits", "lanes", "adapter", "bases", "depths", "contexts",
+    __slots__ = ("tree", "source", "fits", "lanes", "adapter", "bases", "depths", "contexts",
                  "lengths", "held", "retired", "pending_tokens", "steps", "steps_run")
 
-    def __init__(self, tree, forward, fits):
-        self.tree, self.forward, self.fits = tree, forward, fits
+    def __init__(self, tree, fits):
+        self.tree, self.fits = tree, fits
+        self.source = None  # the forward whose lanes the chain continues (its step runs them)
         self.lanes = None  # the lanes of the chain's last step (None: no chain)
         self.adapter = None
         self.bases: list = []  # each row's base: where its context ended as the chain began
@@ -77,29 +81,31 @@ class StepChain:
         self.steps = 0  # steps run since the chain began (the tokens a row has uncommitted)
         self.steps_run = 0  # steps this chain object ran in all (statistics)
 
-    def begin(self, lanes, nodes: list, contexts: list, lengths: list, adapter) -> None:
-        """Start a chain at a step committed to the tree: its rows' ``contexts`` (``lanes``' rows,
-        in order; ``lengths`` their lengths) end at ``nodes``. Any uncommitted chain must have
-        been committed first."""
+    def begin(self, source, nodes: list, contexts: list, lengths: list, adapter) -> None:
+        """Start a chain at a step committed to the tree, run by ``source`` (the forward that
+        ran it: its ``lanes``, None when it kept none, and ``step``): its rows' ``contexts``
+        (the lanes' rows, in order; ``lengths`` their lengths) end at ``nodes``. Any
+        uncommitted chain must have been committed first."""
         assert not self.steps, "a chain with uncommitted steps is replaced"
-        self.lanes, self.adapter, self.bases, self.contexts = lanes, adapter, nodes, contexts
+        self.source, self.lanes = source, source.lanes
+        self.adapter, self.bases, self.contexts = adapter, nodes, contexts
         self.depths = self.lengths = np.array(lengths, dtype=np.int64)
 
     def drop(self) -> None:
         """Forget the chain (committed, or its KV freed with the tree's)."""
         assert not self.steps, "a chain with uncommitted steps is dropped"
-        self.lanes, self.bases, self.contexts = None, [], []
+        self.source, self.lanes, self.bases, self.contexts = None, None, [], []
 
     def step(self, queries: list[Query]) -> ForwardOut | None:
         """Answer ``queries`` (distinct, of one adapter) as the chain's next step, or None
         (nothing done) when they are not one: see the module's doc. A forward's error
         propagates with the chain unchanged (its new slots freed: the lanes are then gone, and
         the chain is committed as it was)."""
-        lanes = self.lanes
-        if lanes is None or lanes is not self.forward.lanes or not queries \
+        lanes, source = self.lanes, self.source
+        if lanes is None or lanes is not source.lanes or not queries \
                 or queries[0].adapter != self.adapter or not all(map(_at_end, queries)):
             return None
-        rows = lanes.rows(list(map(_parent, queries)), self.adapter, self.forward.pool.frees)
+        rows = lanes.rows(list(map(_parent, queries)), self.adapter, source.pool.frees)
         if rows is None:
             return None
         R, last = len(rows), len(self.bases)
@@ -115,7 +121,9 @@ class StepChain:
         if self.steps == 0 and not _alive(self.bases, self.depths):
             return None  # (a base merged away or evicted since the chain began: planned)
         contexts = list(map(_context, queries))
-        out = self.forward.step(queries, contexts, rows, lengths, self.adapter)
+        out = source.step(queries, contexts, rows, lengths, self.adapter)
+        if out is None:  # (the forward's own limits: nothing was taken)
+            return None
         if self.steps == 0:
             self.held = self.bases
             self.tree.acquire(*self.held)  # (released by commit)
@@ -124,7 +132,7 @@ class StepChain:
         bases = self.bases
         self.bases = list(map(bases.__getitem__, rows.tolist()))
         self.depths = self.depths[rows]
-        self.contexts, self.lengths, self.lanes = contexts, lengths, self.forward.lanes
+        self.contexts, self.lengths, self.lanes = contexts, lengths, source.lanes
         self.steps += 1
         self.steps_run += 1
         self.pending_tokens += R  # (a new slot a row: copied rows share the ones before)

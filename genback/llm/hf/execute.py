@@ -18,7 +18,7 @@
 
 A uniform step whose queries extend the rows of the step before it skips all three: it runs
 from that step's rows and is committed with the steps after it, when something else reads
-the tree (:class:`.chain.StepChain`; the tree forward only).
+the tree (:class:`.chain.StepChain`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ class Execution:
         (:meth:`.chain.StepChain.step`), or None: when they are not one as the chain stands,
         it is committed and they are tried again (a resampling step repeats and drops rows)."""
         chain = self.chain
+        if chain.source is not None and chain.source is self.decode_step and self.lora.loaded:
+            self._settle(drop=True)  # (the decode step runs the base model only: planned)
+            return None
         out = chain.step(queries)
         if out is None and chain.steps:
             self._settle()
@@ -203,8 +206,8 @@ class Execution:
         self._inserted.extend(nodes)
         lengths = [n + 1 for n in cached]
         self._tree.ends.note_many(contexts, nodes, lengths, adapter)
-        if self.chain is not None:  # (the tree forward made this group's lanes)
-            self.chain.begin(self.forward.lanes, nodes, contexts, lengths, adapter)
+        if self.chain is not None:  # (the forward that ran this group made its lanes)
+            self.chain.begin(self._stepped, nodes, contexts, lengths, adapter)
 
     def _evict(self) -> None:
         """Merge the nodes this call inserted with their single-child ancestors
@@ -235,8 +238,10 @@ class Execution:
         uniform = uniform or is_uniform(group)
         if self.decode_step is not None and not self.lora.loaded and uniform:
             out = self.decode_step.run(group)
+            self._stepped = self.decode_step
         if out is None:  # (a uniform step may be laid out from the last one's rows)
             out = self.forward.run(group, uniform)
+            self._stepped = self.forward
         n_new = [r.n_new for r in group]
         self.forwards += out.forwards
         self.tokens_forwarded += sum(n_new)

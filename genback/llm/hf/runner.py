@@ -91,8 +91,8 @@ class HFRunner(Execution):
             self.forward = DenseForward(model, self.pool, pad_id=pad_id,
                                         row_device=self.row_device)
         self.decode_step = self._decode_step(decode)
-        self.chain = (StepChain(self._tree, self.forward, self._step_fits)
-                      if self.use_tree and self.decode_step is None else None)
+        self.chain = StepChain(self._tree, self._step_fits) if self.use_tree else None
+        self._stepped = None  # the forward that ran the last group (a chain begins there)
         self.forwards = self.tokens_forwarded = self.padded_tokens_forwarded = 0  # (real tokens)
         self.kv_bytes_read = 0  # KV bytes attention read, all forwards and layers
         self._freed_since_trim = 0

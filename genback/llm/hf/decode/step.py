@@ -60,10 +60,11 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..forward import attention as tree_attention
 from ..forward.base import ForwardOut, cached_lengths, last_tokens
-from ..forward.results import outputs
+from ..forward.results import outputs, results
 from ..forward.tree_cache import TreeCache, cache_argument
 from ..plan.lanes import REFRESH, Lanes, path_tokens
 from ..plan.segments import split_segments
+from ....queries.context import last_ids
 from . import compiled as glue
 from .cascade import (FLASH0_MIN_WORK, DecodeBuffers, StepLayout, decode_attention,
                       flash_level0_pays)
@@ -240,6 +241,44 @@ class DecodeStep:
         new = (chunks[0].layout.new_slots if len(chunks) == 1
                else np.concatenate([c.layout.new_slots for c in chunks]))
         return ForwardOut(values, new.reshape(len(group), 1), read, len(chunks))
+
+    @property
+    def lanes(self) -> Lanes | None:
+        """The last step's rows when it ran as one forward (None: in chunks, or none kept):
+        what a step chain continues (:class:`..chain.StepChain`)."""
+        lanes = self._lanes
+        return lanes[0] if len(lanes) == 1 else None
+
+    def step(self, queries: list, contexts: list, rows: np.ndarray, lengths: np.ndarray,
+             adapter) -> ForwardOut | None:
+        """A uniform step given as rows, not paths (:class:`..chain.StepChain`), as
+        :meth:`..forward.tree.TreeForward.step`: query ``i`` asks for ``contexts[i]``
+        (``lengths[i]`` tokens, ``int64``), the context of row ``rows[i]`` of :attr:`lanes`
+        (valid: :meth:`..plan.lanes.Lanes.rows`) plus one token. The same forward as
+        :meth:`run` of their paths laid out from those lanes in one chunk; None, with nothing
+        taken from the pool, when that does not fit (:meth:`_from_lanes`). A failed forward
+        frees its new slots and keeps no lanes."""
+        lanes, R = self.lanes, len(rows)
+        past = self._from_lanes(lanes, rows) if R <= MAX_ROWS else None
+        if past is None:
+            return None
+        past, pads = past
+        self._lanes = []  # (a failed forward leaves none)
+        new_slots = self.pool.alloc(R)
+        table = np.concatenate([past, new_slots[:, None]], axis=1)
+        layout = StepLayout(np.array(last_ids(contexts), dtype=np.int64), lengths - 1,
+                            new_slots, table, pads, lanes.prefix)
+        try:
+            logits, read = self.forward(layout)
+            values = results(queries, logits, self.row_device)  # (read before the next forward)
+        except BaseException:
+            self.pool.free(new_slots)
+            raise
+        self._lanes = [Lanes(contexts, adapter, table, pads, lanes.prefix, self.pool.frees,
+                             lanes.age + 1)]
+        self._rows, self._split_age = R, 0
+        self.lane_steps += 1
+        return ForwardOut(values, new_slots.reshape(R, 1), read, 1)
 
     def layouts(self, group) -> list[Chunk] | None:
         """The step as contiguous :class:`Chunk` s of rows in order, each with its
