@@ -42,7 +42,7 @@ Graphs are dropped when the pool's store grows (their addresses are baked in).
 
 **Chunks.** A step whose table would exceed :data:`MAX_TABLE_SLOTS` (or that has more than
 :data:`MAX_ROWS` rows) runs as halves, then quarters of its rows (:meth:`DecodeStep.layouts`),
-one forward each; beyond :data:`MAX_CHUNKS` chunks, the tree path.
+one forward each (:mod:`.chunks`); beyond :data:`.chunks.MAX_CHUNKS` chunks, the tree path.
 
 The same code runs eagerly (``graphs=False``, any device): that is what the CPU tests compare
 with the tree path and an uncached forward.
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -62,10 +61,12 @@ from ..forward import attention as tree_attention
 from ..forward.base import ForwardOut, cached_lengths, last_tokens
 from ..forward.results import outputs, results
 from ..forward.tree_cache import TreeCache, cache_argument
-from ..plan.lanes import REFRESH, Lanes, path_tokens
+from ..plan.lanes import Lanes, path_tokens
 from ..plan.segments import split_segments
 from ....queries.context import last_ids
 from . import compiled as glue
+from .buckets import _pow2, bucket
+from .chunks import Chunks
 from .cascade import (FLASH0_MIN_WORK, DecodeBuffers, StepLayout, decode_attention,
                       flash_level0_pays)
 from .fused import FusedNorms
@@ -77,44 +78,11 @@ from .rope import RopeOp
 NAME = "genback_decode"
 
 # most rows x table width one forward of the step may have (the level-1 gather is [2, kv_heads,
-# rows * width, head_dim] per layer); a wider step is run in chunks of rows (MAX_CHUNKS)
+# rows * width, head_dim] per layer); a wider step is run in chunks of rows (.chunks)
 MAX_TABLE_SLOTS = 1 << 16
 MAX_ROWS = 512
 
-# most chunks of rows one step is split into when it does not fit one forward (halves, then
-# quarters), else it takes the tree path. Each chunk is one more replay, which reads the weights
-# again: on an H100 a 1B step's GPU time is 3.7-7.9 ms and the tree path's step 28-59 ms
-# (benchmarks/RESULTS.md, "GPU: the captured decode step"), so four replays stay well under the
-# eager tree path; the bound is to be measured with an 8B model
-MAX_CHUNKS = 4
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-# the table's narrowest bucket: an SMC run's rows grow by a token a step, and each new width bucket
-# is a capture (45-70 ms on a 1B model, measured); 32 columns cover a run's first 31 steps
-MIN_WIDTH = 32
-
-
-def bucket(rows: int, width: int, prefix: int) -> tuple[int, int, int]:
-    """``(rows, width, prefix)`` rounded up to their bucket: rows to a power of two, the table's
-    width to a power of two of at least :data:`MIN_WIDTH`, the prefix to a multiple of 256 (0
-    stays 0)."""
-    return _pow2(rows), max(MIN_WIDTH, _pow2(width)), -(-prefix // 256) * 256
-
-
-@dataclass(slots=True)
-class Chunk:
-    """Rows ``group[start:stop]`` of a step, and their forward's :class:`.cascade.StepLayout`."""
-
-    start: int
-    stop: int
-    layout: StepLayout
-
-
-class DecodeStep:
+class DecodeStep(Chunks):
     """Runs uniform decode steps over static buffers; on CUDA replays one captured graph per
     bucket.
 
@@ -280,45 +248,6 @@ class DecodeStep:
         self.lane_steps += 1
         return ForwardOut(values, new_slots.reshape(R, 1), read, 1)
 
-    def layouts(self, group) -> list[Chunk] | None:
-        """The step as contiguous :class:`Chunk` s of rows in order, each with its
-        :meth:`layout` (its new slots taken from the pool). One chunk when the step fits one
-        forward; else 2, then :data:`MAX_CHUNKS` equal chunks. A step with as many rows as
-        the last one, which was split, is split alike at once (each chunk laid out from the
-        same chunk of the last step when its rows extend those, :class:`..plan.lanes.Lanes`), the
-        whole tried again every :data:`..plan.lanes.REFRESH` steps. None (nothing taken) if none fit."""
-        R = len(group)
-        split_alike = len(self._lanes) > 1 and R == self._rows and self._split_age < REFRESH
-        n = len(self._lanes) if split_alike else 1
-        while n <= MAX_CHUNKS and n <= max(1, R):
-            chunks = self._chunks(group, n)
-            if chunks is not None:
-                self._split_age = 0 if n == 1 else (self._split_age + 1 if split_alike else 1)
-                self.split_steps += n > 1
-                return chunks
-            n *= 2
-        self._lanes = []
-        return None
-
-    def _chunks(self, group, n: int) -> list[Chunk] | None:
-        """``group`` as ``n`` equal chunks, each laid out (from the same chunk of the last step
-        when the last step had ``n``); None, with the slots of the chunks laid out so far given
-        back, when one does not fit. Keeps the chunks' lanes for the next step."""
-        R, last = len(group), self._lanes
-        chunks, lanes = [], []
-        for j in range(n):
-            a, b = R * j // n, R * (j + 1) // n
-            out = self.layout(group[a:b], last[j] if len(last) == n else None)
-            if out is None:
-                for c in chunks:
-                    self.pool.free(c.layout.new_slots)
-                return None
-            chunks.append(Chunk(a, b, out[0]))
-            lanes.append(out[1])
-        self._lanes, self._rows = lanes, R
-        self.lane_steps += sum(1 for ln in lanes if ln.age)
-        return chunks
-
     def layout(self, group, lanes: Lanes | None = None) -> tuple[StepLayout, Lanes] | None:
         """The :class:`.cascade.StepLayout` of one forward over ``group`` and its
         :class:`..plan.lanes.Lanes`, or None when it is too wide for this path (new slots taken
@@ -436,4 +365,4 @@ class DecodeStep:
             buf.logits.copy_(out.logits[:, -1])
 
 
-__all__ = ["Chunk", "DecodeStep", "FLASH0_MIN_WORK", "bucket", "flash_level0_pays"]
+__all__ = ["DecodeStep", "FLASH0_MIN_WORK", "bucket", "flash_level0_pays"]
