@@ -250,7 +250,7 @@ def run_genback(model, tokenizer, prompt, trace, device, batch_window, decode="a
            "decode": mode, **prof}  # (the --genback mode as given)
     for k in ("decode_steps", "decode_replays", "decode_captures", "decode_graphs_verified",
               "decode_graphs_rejected", "decode_capture_seconds",
-              "decode_graph_bytes", "decode_split_steps"):
+              "decode_graph_bytes", "decode_split_steps", "chained_steps"):
         if k in info:
             out[k] = info[k]
     return out

@@ -93,7 +93,8 @@ case "$part" in
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider --durations=12 -k "${TESTS_K:-cuda or captured}" \
       tests/test_decode_step.py tests/test_cuda.py tests/test_tree_attention.py tests/test_varlen.py \
       tests/test_decode_rope.py tests/test_decode_level0.py tests/test_decode_projections.py \
-      tests/test_collection_hold.py tests/test_decode_compiled.py 2>&1 | tee -i "$out/tests.log" ;;
+      tests/test_collection_hold.py tests/test_decode_compiled.py tests/test_step_chain.py 2>&1 \
+      | tee -i "$out/tests.log" ;;
   norms)  # the decode step's tests on CUDA (its norms through torch's rms_norm operator, its
     # RoPE through decode/rope.py's) and the RoPE's own
     python3 -m pytest -q -rs -o addopts="" -p no:cacheprovider -k "cuda or captured or rope" \

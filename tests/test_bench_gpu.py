@@ -128,6 +128,24 @@ def test_the_decode_step_option_modes_run_the_decode_step():
                             "--steps", "2", "--resample", "2", "--no-loop", "--genback", mode])
 
 
+def test_nochain_plans_every_step():
+    """``-nochain`` (the runner's step chain off), as ``gpu_session.sh``'s 8B and 1B cells run it
+    beside the default: no step chained, every step through the decode step, the same forwards
+    and rows as the default, whose steps chain; on the tree path (``off``) and over contexts
+    too."""
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--particles", "4", "--prompts", "40",
+                          "--steps", "6", "--resample", "3", "--no-loop",
+                          "--genback", "eager,eager-nochain,off-nochain/context"])
+    (cell,) = out["cells"]
+    chained, planned = cell["genback"], cell["genback[eager-nochain]"]
+    assert chained["chained_steps"] > 0 and planned["chained_steps"] == 0
+    assert chained["decode_steps"] == planned["decode_steps"] == 6
+    assert chained["forwards"] == planned["forwards"]
+    assert cell["genback[off-nochain/context]"]["chained_steps"] == 0
+    for c in (chained, planned, cell["genback[off-nochain/context]"]):
+        assert c["err_vs_uncached"] <= 1e-4
+
+
 def test_profile_runs_with_the_modes_gpu_session_uses(tmp_path):
     """``--profile`` as ``gpu_session.sh``'s cells run it (with ``--json``, every mode suffix):
     each genback run is profiled after its timed steps (host events only on the CPU: no

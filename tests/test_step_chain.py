@@ -8,9 +8,11 @@ step leaves the chain as it was; counted chained steps."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 
 import pytest
+import torch
 
 from genback.llm import AsyncTransformer
 from genback.llm.hf.decode import step as decode_step
@@ -88,6 +90,36 @@ def test_chained_steps_equal_uncached_and_planned_steps(tiny_hf, gpt2_tok, api, 
     assert chained["chained_steps"] == len(trace) - 1 - full
     for key in ("forwards", "tokens_forwarded", "kv_bytes", "kv_pool_slots_used"):
         assert chained[key] == planned[key], key
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA GPU (none visible to torch)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_chain_on_the_devices_decode_step_equals_uncached(tiny_hf, gpt2_tok, device):
+    """The decode step as a GPU runs it by default (captured graphs, each verified at its first
+    replay; on the CPU the same step eagerly), in fp32 with TF32 off: an SMC run with
+    resampling chains on the decode step (counted), every row within 1e-4 of an uncached
+    forward, no graph rejected."""
+    model = copy.deepcopy(tiny_hf).to(device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    lm = AsyncTransformer(model, gpt2_tok, batch_window=0.05, row_cache_size=0,
+                          decode="auto" if device == "cuda" else "eager")
+    trace = _smc_trace(random.Random(4), 40, 12, REFRESH + 8, 3, 50)
+    try:
+        assert asyncio.run(_steps(lm, trace, "batch", {})) <= 1e-4
+        info = lm.cache_info()
+        assert lm.runner.chain.source is lm.runner.decode_step
+        full = -(-(len(trace) - 1) // (REFRESH + 1))
+        assert info["chained_steps"] == len(trace) - 1 - full
+        assert info["decode_graphs_rejected"] == 0
+        if device == "cuda":
+            assert info["decode_graphs_verified"] >= 1 and info["decode_replays"] > 0
+    finally:
+        lm.close()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def _chain_running(lm, trace, steps: int):
