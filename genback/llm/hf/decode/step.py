@@ -227,22 +227,20 @@ class DecodeStep(Chunks):
         taken from the pool, when that does not fit (:meth:`_from_lanes`). A failed forward
         frees its new slots and keeps no lanes."""
         lanes, R = self.lanes, len(rows)
-        past = self._from_lanes(lanes, rows) if R <= MAX_ROWS else None
-        if past is None:
+        laid = self._from_lanes(lanes, rows) if R <= MAX_ROWS else None
+        if laid is None:
             return None
-        past, pads = past
+        new_slots, table, pads, prefix = laid
         self._lanes = []  # (a failed forward leaves none)
-        new_slots = self.pool.alloc(R)
-        table = np.concatenate([past, new_slots[:, None]], axis=1)
         layout = StepLayout(np.array(last_ids(contexts), dtype=np.int64), lengths - 1,
-                            new_slots, table, pads, lanes.prefix)
+                            new_slots, table, pads, prefix)
         try:
             logits, read = self.forward(layout)
             values = results(queries, logits, self.row_device)  # (read before the next forward)
         except BaseException:
             self.pool.free(new_slots)
             raise
-        self._lanes = [Lanes(contexts, adapter, table, pads, lanes.prefix, self.pool.frees,
+        self._lanes = [Lanes(contexts, adapter, table, pads, prefix, self.pool.frees,
                              lanes.age + 1)]
         self._rows, self._split_age = R, 0
         self.lane_steps += 1
@@ -259,17 +257,13 @@ class DecodeStep(Chunks):
             return None
         rows = None if lanes is None else lanes.rows(
             [p.outputs[0].query.parent for p in group], group[0].adapter, self.pool.frees)
-        past = None if rows is None else self._from_lanes(lanes, rows)
-        if past is not None:
-            (past, pads), prefix, age = past, lanes.prefix, lanes.age + 1
-            new_slots = self.pool.alloc(R)
-            table = np.concatenate([past, new_slots[:, None]], axis=1)
-        else:
-            full = self._from_tree(group)
-            if full is None:
+        laid = None if rows is None else self._from_lanes(lanes, rows)
+        age = 0 if laid is None else lanes.age + 1
+        if laid is None:
+            laid = self._from_tree(group)
+            if laid is None:
                 return None
-            new_slots, table, pads, prefix = full
-            age = 0
+        new_slots, table, pads, prefix = laid
         return (StepLayout(last_tokens(group), cached_lengths(group), new_slots, table, pads,
                            prefix),
                 Lanes(list(map(path_tokens, group)), group[0].adapter, table, pads, prefix,
@@ -282,10 +276,15 @@ class DecodeStep(Chunks):
         return _pow2(rows) * bucket(rows, width, 0)[1] <= MAX_TABLE_SLOTS
 
     def _from_lanes(self, lanes: Lanes, rows: np.ndarray):
-        """``(past, pads)`` gathered from the last step's ``rows`` (:meth:`..plan.lanes.Lanes.gather`),
-        or None when its table with a new column would not fit (a full layout may share more)."""
+        """``(new_slots, table, pads, prefix)`` of a layout from the last step's ``rows``
+        (:meth:`..plan.lanes.Lanes.gather`) plus a column of new slots (taken from the pool
+        here), as :meth:`_from_tree`'s; None, nothing taken, when that table would not fit (a
+        full layout may share more)."""
         past, pads = lanes.gather(rows)
-        return (past, pads) if self._fits(len(rows), past.shape[1] + 1) else None
+        if not self._fits(len(rows), past.shape[1] + 1):
+            return None
+        new_slots = self.pool.alloc(len(rows))
+        return new_slots, np.concatenate([past, new_slots[:, None]], axis=1), pads, lanes.prefix
 
     def _from_tree(self, group):
         """``(new_slots, table, pads, prefix)`` of a full layout from the tree's segments, or
