@@ -209,14 +209,19 @@ def test_cold_ops_times_every_operation_under_every_condition():
         assert c["sum"] == pytest.approx(sum(c[o] for o in cold.OPS))
 
 
+def _host_ab():
+    spec = importlib.util.spec_from_file_location("host_ab", BENCH.parent / "lab" / "host_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    return ab
+
+
 def test_host_ab_runs_two_versions_side_by_side_in_one_process():
     """``host_ab.py``: a revision's package under a name of its own beside the working tree's,
     both on one model in one process (their attention functions registered apart: a copy that
     kept genback's names would run the other's), one row per version with finite host times
     and the first version's ratio 1; an unknown route is refused."""
-    spec = importlib.util.spec_from_file_location("host_ab", BENCH.parent / "lab" / "host_ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _host_ab()
     rows = ab.main(["--side", "HEAD:batch-context", "--side", ".:gather", "--particles", "3",
                     "--contexts", "20", "--steps", "3"])
     assert [(r["rev"], r["route"]) for r in rows] == [("HEAD", "batch-context"), (".", "gather")]
@@ -224,3 +229,33 @@ def test_host_ab_runs_two_versions_side_by_side_in_one_process():
     assert all(math.isfinite(r["query_us"]) and r["query_us"] > 0 for r in rows)
     with pytest.raises(ValueError, match="route must be one of"):
         ab.run([(".", "gathre")], [2], [10], 1)
+
+
+def test_host_abs_floor_reads_every_list_and_answers_both_routes():
+    """``host_ab.py``'s ``floor`` (the least host work of a step): beside genback in one run on
+    both routes; each query's list is read against the prompt (a list that does not start with
+    the prompt's very objects is refused: the floor compares identities, as the trace's lists
+    hold them), every query of a gathered step is answered with the row, a batch call with the
+    first rows; it takes no route over contexts."""
+    ab = _host_ab()
+    rows = ab.main(["--side", ".:batch", "--side", "floor:gather", "--side", "floor:batch",
+                    "--particles", "3", "--contexts", "20", "--steps", "3"])
+    assert [(r["rev"], r["route"]) for r in rows] == [
+        (".", "batch"), ("floor", "gather"), ("floor", "batch")]
+    assert all(math.isfinite(r["query_us"]) and r["query_us"] > 0 for r in rows)
+    prompt = [5, 6, 7]
+    rows_in = torch.arange(8.0).reshape(2, 4)
+    floor = ab.Floor(prompt, rows_in)
+
+    async def step():
+        got = await asyncio.gather(*(floor.next_token_logprobs(prompt + [t]) for t in (1, 2, 3)))
+        assert all(r is floor.row for r in got) and not floor.futures
+        assert torch.equal(await floor.batch_next_token_logprobs([prompt, prompt + [0]]), rows_in)
+        with pytest.raises(ValueError, match="extends its prompt"):
+            await floor.batch_next_token_logprobs([[5, 6, 8, 1]])
+        with pytest.raises(ValueError, match="extends its prompt"):
+            await floor.next_token_logprobs([5, 6])
+
+    asyncio.run(step())
+    with pytest.raises(ValueError, match="route must be one of"):
+        ab.run([("floor", "batch-context")], [2], [10], 1)

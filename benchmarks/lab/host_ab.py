@@ -19,8 +19,17 @@ sampling after the step is outside it. Printed per version: the median host time
 query, and against the first version the ratio of medians and the median of the per-step
 ratios (steps of one index, paired).
 
+The version ``floor`` is no genback but the least a step's host can do in Python
+(:class:`Floor`): each list read once (its prompt's item pointers compared with the prompt's,
+in C: :func:`genback.cpython.same_items`; exactness needs every list read, as its items may have
+changed since the last step) and the rows handed out from a fixed tensor; on ``gather`` each
+query is also a coroutine awaiting a future, all of a step's resolved by one callback (the
+asyncio ``Task`` a per-particle ``await`` costs any library whose method is a coroutine
+function, genlm-backend's too). Its ratios to the first side are the lowest any version can
+reach on this machine.
+
 Run: ``taskset -c 1 python benchmarks/lab/host_ab.py --side a7a7700:gather --side .:batch-context
---particles 256 --contexts 100``.
+--particles 256 --contexts 100`` (``--side floor:gather --side floor:batch`` beside them).
 """
 
 from __future__ import annotations
@@ -44,7 +53,10 @@ sys.path.insert(0, str(BENCH))
 from host_clocks import ask  # noqa: E402
 from tiny_lm import load, text_ids  # noqa: E402
 
+from genback.cpython import same_items  # noqa: E402
+
 ROUTES = ("gather", "context", "batch", "batch-context")
+FLOOR_ROUTES = ("gather", "batch")  # (the floor's: over lists)
 # registered names that one process can hold once per package (transformers' attention
 # functions by name): renamed in each copy
 _NAMES = ("genback_tree", "genback_decode")
@@ -57,8 +69,8 @@ def package_of(rev: str, k: int, root: Path, repo: Path) -> str:
     Raises:
         subprocess.CalledProcessError: ``rev`` is not a revision of ``repo``.
     """
-    if rev == ".":
-        return "genback"
+    if rev in (".", "floor"):
+        return "genback" if rev == "." else rev
     name = f"gb_{k}"
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "genback"],
                              check=True, capture_output=True).stdout
@@ -74,6 +86,45 @@ def package_of(rev: str, k: int, root: Path, repo: Path) -> str:
     return name
 
 
+class Floor:
+    """The least host work of a step in Python (see the module's doc), in place of a model:
+    ``next_token_logprobs`` / ``batch_next_token_logprobs`` over lists that start with
+    ``prompt``'s very int objects (as the trace's do), answered with rows of ``rows``
+    (``[N, V]``, made once)."""
+
+    def __init__(self, prompt: list, rows: torch.Tensor):
+        self.prompt, self.rows, self.row = tuple(prompt), rows, rows[0]
+        self.futures: list = []
+
+    def context(self, ids):
+        return list(ids)
+
+    def _read(self, ids) -> None:
+        if not same_items(ids, self.prompt, len(self.prompt)):
+            raise ValueError("the floor's trace extends its prompt")
+
+    async def next_token_logprobs(self, ids):
+        self._read(ids)
+        fut = asyncio.get_running_loop().create_future()
+        if not self.futures:  # (the step's first query: one callback answers them all)
+            asyncio.get_running_loop().call_soon(self._answer)
+        self.futures.append(fut)
+        return await fut
+
+    def _answer(self) -> None:
+        futures, self.futures, row = self.futures, [], self.row
+        for fut in futures:
+            fut.set_result(row)
+
+    async def batch_next_token_logprobs(self, contexts):
+        for ids in contexts:
+            self._read(ids)
+        return self.rows[:len(contexts)]
+
+    async def aclose(self) -> None:
+        pass
+
+
 async def _trace(model, tok, sides: list[tuple[str, str]], n: int, context: int, steps: int,
                  warmup: int = 3, resample: int = 3, decode: str = "auto") -> list[list[float]]:
     """Each side's host seconds of each measured step (see the module's docstring)."""
@@ -84,10 +135,13 @@ async def _trace(model, tok, sides: list[tuple[str, str]], n: int, context: int,
     lms, parts, gens = [], [], []
     try:
         for pkg, route in sides:
-            lm = importlib.import_module(pkg + ".llm").AsyncTransformer(model, tok,
-                                                                         decode=decode)
-            lms.append(lm)
             prompt = text_ids(tok, context)
+            if pkg == "floor":
+                lm = Floor(prompt, torch.log_softmax(torch.zeros(n, model.config.vocab_size), -1))
+            else:
+                lm = importlib.import_module(pkg + ".llm").AsyncTransformer(model, tok,
+                                                                             decode=decode)
+            lms.append(lm)
             parts.append([lm.context(prompt) if "context" in route else prompt] * n)
             gens.append(torch.Generator().manual_seed(0))
         host: list[list[float]] = [[] for _ in sides]
@@ -124,9 +178,10 @@ def run(sides: list[tuple[str, str]], particles: list[int], contexts: list[int],
     Raises:
         ValueError: an unknown route. subprocess.CalledProcessError: an unknown revision.
     """
-    for _, route in sides:
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    for rev, route in sides:
+        if route not in (FLOOR_ROUTES if rev == "floor" else ROUTES):
+            raise ValueError(f"route must be one of {ROUTES} (floor: {FLOOR_ROUTES}), got "
+                             f"{rev}:{route}")
     torch.set_num_threads(1)
     model, tok = load("tiny")
     out = []
