@@ -231,7 +231,7 @@ def test_host_ab_runs_two_versions_side_by_side_in_one_process():
         ab.run([(".", "gathre")], [2], [10], 1)
 
 
-def test_host_abs_floor_reads_every_list_and_answers_both_routes():
+def test_host_ab_floor_reads_every_list_and_answers_both_routes():
     """``host_ab.py``'s ``floor`` (the least host work of a step): beside genback in one run on
     both routes; each query's list is read against the prompt (a list that does not start with
     the prompt's very objects is refused: the floor compares identities, as the trace's lists

@@ -69,8 +69,10 @@ def package_of(rev: str, k: int, root: Path, repo: Path) -> str:
     Raises:
         subprocess.CalledProcessError: ``rev`` is not a revision of ``repo``.
     """
-    if rev in (".", "floor"):
-        return "genback" if rev == "." else rev
+    if rev == ".":
+        return "genback"
+    if rev == "floor":  # (no package: :class:`Floor`)
+        return rev
     name = f"gb_{k}"
     archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "genback"],
                              check=True, capture_output=True).stdout
@@ -105,9 +107,10 @@ class Floor:
 
     async def next_token_logprobs(self, ids):
         self._read(ids)
-        fut = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
         if not self.futures:  # (the step's first query: one callback answers them all)
-            asyncio.get_running_loop().call_soon(self._answer)
+            loop.call_soon(self._answer)
         self.futures.append(fut)
         return await fut
 
